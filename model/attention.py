@@ -1,0 +1,100 @@
+"""The attention sublayer of every V4.1 layer, for a whole sequence.
+
+Every layer computes its own low-rank query and its own sliding-window KV (one 512-d latent,
+K == V, FP8 fake-quantized). Layers with a compressed branch also attend to up to `index_topk`
+compressed entries of their KV source, chosen by their index source:
+
+- Full (KV source): runs the compressor and publishes entries and indexer keys, then indexes;
+- Reindex: scores its own queries against the source's keys inside the candidate pool;
+- Reuse: takes both the entries and the selection of the latest source.
+
+`shared` carries what sources publish to later layers within one forward (entries, keys, top-k,
+candidate pool), keyed by the publishing layer id.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer.model import compressor, indexer, quant
+from deepinfer.model.config import ModelConfig
+from deepinfer.model.layers import apply_rope, dequantize, layer_inv_freq, linear, rms_norm
+from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
+
+
+def query_and_window_kv(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array):
+    """q `[B, T, H, hd]` (rotated), q_residual `[B, T, q_lora]`, window kv `[B, T, hd]`."""
+    B, T, _ = x.shape
+    inv_freq = layer_inv_freq(config, layer)
+    q_residual = rms_norm(linear(x, p["wq_a"]), p["q_norm"], config.rms_norm_eps)
+    q = linear(q_residual, p["wq_b"]).reshape(B, T, config.num_attention_heads, config.head_dim)
+    q = apply_rope(q, positions, inv_freq)
+    kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], config.rms_norm_eps)
+    kv = apply_rope(kv, positions, inv_freq)
+    if config.fake_quant:
+        kv = quant.fake_quant_fp8(kv, block=32)
+    return q, q_residual, kv
+
+
+def output_projection(p: dict, config: ModelConfig, layer: int, o: jax.Array, positions: jax.Array) -> jax.Array:
+    """Undo the query rotation on the output's rope slice, then the grouped low-rank projection."""
+    o = apply_rope(o, positions, layer_inv_freq(config, layer), inverse=True)
+    B, T, H, hd = o.shape
+    G = config.o_groups
+    grouped = o.reshape(B, T, G, H * hd // G)
+    w = dequantize(p["wo_a"], o.dtype).reshape(G, config.o_lora_rank, H * hd // G)
+    mid = jnp.einsum("btgi,gri->btgr", grouped, w).reshape(B, T, G * config.o_lora_rank)
+    return linear(mid, p["wo_b"])
+
+
+def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
+    """bool `[B, T, S]`: key visible iff 0 <= q_pos - k_pos < window (k_pos < 0 = empty slot)."""
+    delta = q_pos[:, :, None] - k_pos[:, None, :]
+    return (delta >= 0) & (delta < window) & (k_pos[:, None, :] >= 0)
+
+
+def publish_source(p: dict, config: ModelConfig, layer: int, x: jax.Array, shared: dict) -> None:
+    """A KV-source layer compresses the whole sequence and publishes entries and index keys."""
+    ratio = config.compress_ratios[layer]
+    latent, entry_pos = compressor.compress_full(p["compressor"], config, x, ratio)
+    shared["entries", layer] = compressor.cache_entries(config, latent, entry_pos)
+    shared["index_keys", layer] = indexer.index_keys(p["indexer"], config, latent, entry_pos)
+
+
+def index_layer(p: dict, config: ModelConfig, layer: int, x: jax.Array, q_residual: jax.Array,
+                positions: jax.Array, shared: dict) -> None:
+    """An index-source layer publishes its top-k selection (and, at the candidate source, the
+    candidate pool)."""
+    src = config.kv_source(layer)
+    ratio = config.compress_ratios[layer]
+    keys = shared["index_keys", src]
+    scores = indexer.index_scores(p["indexer"], config, x, q_residual, positions, keys, ratio)
+    if layer == config.candidate_source_layer_id:
+        shared["candidates"] = indexer.candidate_blocks(
+            scores, positions, ratio, config.candidate_topk_blocks, config.candidate_block_size
+        )
+    elif config.uses_candidates(layer):
+        scores = jnp.where(shared["candidates"], scores, -jnp.inf)
+    shared["topk", layer] = indexer.select_topk(scores, config.index_topk)
+
+
+def attention_full(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array, shared: dict,
+                   kernels: KernelConfig | None = None) -> jax.Array:
+    """Attention sublayer over a whole sequence: x `[B, T, D]` (attn-normed), positions `[B, T]`."""
+    q, q_residual, kv = query_and_window_kv(p, config, layer, x, positions)
+    B, T, _ = x.shape
+    entries = jnp.zeros((B, 0, config.head_dim), kv.dtype)
+    topk = jnp.zeros((B, T, 0), jnp.int32)
+    kind = config.layer_kind(layer)
+    if kind == "full":
+        publish_source(p, config, layer, x, shared)
+    if kind in ("full", "reindex"):
+        index_layer(p, config, layer, x, q_residual, positions, shared)
+    if kind != "swa":
+        entries = shared["entries", config.kv_source(layer)]
+        topk = shared["topk", config.index_source(layer)]
+    attend = get_kernel("sparse_attention", kernels)
+    o = attend(q, kv, window_mask(positions, positions, config.sliding_window), entries, topk,
+               p["attn_sink"], config.head_dim ** -0.5)
+    return output_projection(p, config, layer, o, positions)

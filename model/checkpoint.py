@@ -1,0 +1,302 @@
+"""Checkpoints: the official safetensors layout (read and written), and the engine's own
+fast-restart format (orbax-checkpoint, the params exactly as the model uses them).
+
+Official layout: `model.safetensors.index.json` maps every tensor name to its shard; dense
+weights are FP8 e4m3 with UE8M0 block scales (`.scale`), routed experts MXFP4 (int8 bytes of two
+e2m1 nibbles, even k in the low nibble, one UE8M0 scale per 32), the rest BF16/F32. Reading uses
+the project's own safetensors parser and memory maps; each tensor is placed straight onto its
+devices with `jax.make_array_from_callback`, so the host holds one slice at a time. Every problem
+names the tensor and the file; nothing is silently skipped (the only names ignored are the
+families a text-only forward does not use: `mtp.*`, vision and aligner tensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from deepinfer.model import quant
+from deepinfer.model.config import ModelConfig, load_config, to_hf_config
+from deepinfer.model.params import (
+    BF16, F32, FP4, FP8, FP8_ROWS, ParamSpec, QuantWeight, abstract_params, build_tree, dense_dtype, param_specs,
+    quant_block, quant_shapes, tree_get,
+)
+from deepinfer.model.safetensors_io import CheckpointFormatError, SafetensorsFile, write_safetensors
+
+INDEX_FILE = "model.safetensors.index.json"
+ORBAX_MARKER = "deepinfer_orbax.json"
+IGNORED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
+QUANTIZED = (FP8, FP8_ROWS, FP4)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; the message names the tensor and the file."""
+
+
+# ---- name map --------------------------------------------------------------------------
+
+
+def expert_tensor_name(spec: ParamSpec, expert: int) -> str:
+    """`layers.3.ffn.experts.w1` + 5 -> `layers.3.ffn.experts.5.w1`."""
+    head, _, proj = spec.name.rpartition(".")
+    return f"{head}.{expert}.{proj}"
+
+
+def tensor_names(spec: ParamSpec) -> list[tuple[str, str, int | None]]:
+    """(official name, role, expert) for every tensor of a spec; role is "weight" or "scale"."""
+    bases = [(expert_tensor_name(spec, e), e) for e in range(spec.experts)] if spec.experts else [(spec.name, None)]
+    out = []
+    for base, e in bases:
+        weight_name = base + ".weight" if spec.has_weight_suffix else base
+        out.append((weight_name, "weight", e))
+        if spec.storage in QUANTIZED:
+            out.append((base + ".scale", "scale", e))
+    return out
+
+
+def expected_format(spec: ParamSpec, config: ModelConfig, role: str) -> tuple[str, tuple[int, ...]]:
+    """(safetensors dtype, shape) of one official tensor (per expert for stacked experts)."""
+    if spec.storage in QUANTIZED:
+        q_shape, s_shape = quant_shapes(spec, config)
+        if spec.experts:
+            q_shape, s_shape = q_shape[1:], s_shape[1:]
+        if role == "scale":
+            return "F8_E8M0", s_shape
+        return ("I8" if spec.storage == FP4 else "F8_E4M3"), q_shape
+    shape = spec.shape[1:] if spec.experts else spec.shape
+    return ("F32" if spec.storage == F32 else "BF16"), shape
+
+
+# ---- writing ---------------------------------------------------------------------------
+
+
+def _official_arrays(spec: ParamSpec, leaf: Any, config: ModelConfig) -> dict[str, np.ndarray]:
+    """The official tensors of one leaf, quantizing a dense leaf as the release does."""
+    out: dict[str, np.ndarray] = {}
+    names = tensor_names(spec)
+    if spec.storage in QUANTIZED:
+        if isinstance(leaf, QuantWeight):
+            q_all, s_all = np.asarray(leaf.q), np.asarray(leaf.scale)
+        else:
+            dense = np.asarray(jax.device_get(leaf), dtype=np.float32)
+            blocks = [dense[e] for e in range(spec.experts)] if spec.experts else [dense]
+            pairs = [
+                quant.quantize_mxfp4(b, block=32) if spec.storage == FP4
+                else quant.quantize_fp8_blocks(b, block=quant_block(spec, config))
+                for b in blocks
+            ]
+            q_all = np.stack([p[0] for p in pairs]) if spec.experts else pairs[0][0]
+            s_all = np.stack([p[1] for p in pairs]) if spec.experts else pairs[0][1]
+        for name, role, e in names:
+            src = q_all if role == "weight" else s_all
+            out[name] = np.ascontiguousarray(src[e] if e is not None else src)
+        return out
+    dense = np.asarray(jax.device_get(leaf))
+    target = np.float32 if spec.storage == F32 else ml_dtypes.bfloat16
+    for name, _, e in names:
+        out[name] = np.ascontiguousarray((dense[e] if e is not None else dense).astype(target))
+    return out
+
+
+def _shard_key(name: str) -> str:
+    """Official grouping: embedding, one shard per layer, then head and norm."""
+    if name.startswith("layers."):
+        return "layer%05d" % int(name.split(".")[1])
+    return "aaa_embed" if name.startswith("embed") else "zzz_head"
+
+
+def write_checkpoint(params: dict, config: ModelConfig, directory: str | os.PathLike) -> None:
+    """Write `params` (dense or quantized leaves) in the official format: shards, index, and an
+    HF-style `config.json`."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    groups: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
+    for spec in param_specs(config):
+        for name, array in _official_arrays(spec, tree_get(params, spec.path), config).items():
+            groups[_shard_key(name)][name] = array
+    keys = sorted(groups)
+    weight_map, total = {}, 0
+    for i, key in enumerate(keys):
+        filename = f"model-{i + 1:05d}-of-{len(keys):05d}.safetensors"
+        write_safetensors(os.path.join(directory, filename), groups[key], metadata={"format": "pt"})
+        for name, array in groups[key].items():
+            weight_map[name] = filename
+            total += array.nbytes
+    with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(to_hf_config(config), f, indent=1)
+
+
+# ---- reading ---------------------------------------------------------------------------
+
+
+class _ShardSet:
+    """Lazily opened shards of one checkpoint directory."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        index_path = os.path.join(directory, INDEX_FILE)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path, encoding="utf-8") as f:
+                    index = json.load(f)
+                self.weight_map: dict[str, str] = dict(index["weight_map"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from None
+        else:
+            single = os.path.join(directory, "model.safetensors")
+            if not os.path.isfile(single):
+                raise CheckpointError(f"{directory}: no {INDEX_FILE} and no model.safetensors")
+            self.weight_map = {name: "model.safetensors" for name in SafetensorsFile(single).names}
+        self._files: dict[str, SafetensorsFile] = {}
+        for name, filename in self.weight_map.items():
+            if not os.path.isfile(os.path.join(directory, filename)):
+                raise CheckpointError(f"{INDEX_FILE} maps tensor `{name}` to missing shard {filename!r} in {directory}")
+
+    def file(self, name: str) -> SafetensorsFile:
+        filename = self.weight_map[name]
+        if filename not in self._files:
+            self._files[filename] = SafetensorsFile(os.path.join(self.directory, filename))
+        f = self._files[filename]
+        if name not in f:
+            raise CheckpointError(f"tensor `{name}` is listed in {INDEX_FILE} but missing from {f.path}")
+        return f
+
+    def get(self, name: str) -> np.ndarray:
+        return self.file(name).get(name)
+
+
+def _validate(shards: _ShardSet, config: ModelConfig) -> None:
+    expected = {}
+    for spec in param_specs(config):
+        for name, role, _ in tensor_names(spec):
+            expected[name] = expected_format(spec, config, role)
+    missing = [n for n in expected if n not in shards.weight_map]
+    if missing:
+        raise CheckpointError(
+            f"{shards.directory}: missing tensor `{missing[0]}`" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
+    for name in shards.weight_map:
+        if name not in expected and not name.startswith(IGNORED_PREFIXES):
+            raise CheckpointError(
+                f"unexpected tensor `{name}` in {os.path.join(shards.directory, shards.weight_map[name])}: "
+                "not part of this configuration"
+            )
+    for name, (dtype, shape) in expected.items():
+        f = shards.file(name)
+        if f.dtype_name(name) != dtype or tuple(f.shape(name)) != tuple(shape):
+            raise CheckpointError(
+                f"tensor `{name}` in {f.path}: expected {dtype}{list(shape)}, found {f.dtype_name(name)}{list(f.shape(name))}"
+            )
+
+
+def _place(shape, dtype, sharding, read) -> jax.Array:
+    """`read(index) -> np.ndarray` for the slice `index` of the global array."""
+    return jax.make_array_from_callback(tuple(shape), sharding, lambda idx: np.ascontiguousarray(read(idx)).astype(dtype))
+
+
+def _stacked_reader(shards: _ShardSet, names: list[str], transform=lambda a: a):
+    def read(index):
+        experts = range(len(names))[index[0]]
+        return np.stack([transform(shards.get(names[e]))[index[1:]] for e in experts])
+
+    return read
+
+
+def _load_leaf(spec: ParamSpec, shards: _ShardSet, config: ModelConfig, sharding, dequantize: bool):
+    names = tensor_names(spec)
+    weights = [n for n, role, _ in names if role == "weight"]
+    scales = [n for n, role, _ in names if role == "scale"]
+    quantized = spec.storage in QUANTIZED
+    dense_dt = dense_dtype(spec, config)
+
+    if quantized and not dequantize:
+        q_shape, s_shape = quant_shapes(spec, config)
+        q_dtype = np.int8 if spec.storage == FP4 else ml_dtypes.float8_e4m3fn
+        if spec.experts:
+            q = _place(q_shape, q_dtype, sharding.q, _stacked_reader(shards, weights))
+            s = _place(s_shape, ml_dtypes.float8_e8m0fnu, sharding.scale, _stacked_reader(shards, scales))
+        else:
+            q = _place(q_shape, q_dtype, sharding.q, lambda idx: shards.get(weights[0])[idx])
+            s = _place(s_shape, ml_dtypes.float8_e8m0fnu, sharding.scale, lambda idx: shards.get(scales[0])[idx])
+        return QuantWeight(q, s, kind=spec.storage, block=quant_block(spec, config))
+
+    if quantized:
+        def dense_of(i):
+            if spec.storage == FP4:
+                return quant.dequantize_mxfp4(shards.get(weights[i]), shards.get(scales[i]), block=32)
+            return quant.dequantize_fp8_blocks(shards.get(weights[i]), shards.get(scales[i]),
+                                               block=quant_block(spec, config))
+        if spec.experts:
+            return _place(spec.shape, dense_dt, sharding,
+                          lambda idx: np.stack([dense_of(e)[idx[1:]] for e in range(spec.experts)[idx[0]]]))
+        return _place(spec.shape, dense_dt, sharding, lambda idx: dense_of(0)[idx])
+    if spec.experts:
+        return _place(spec.shape, dense_dt, sharding, _stacked_reader(shards, weights))
+    return _place(spec.shape, dense_dt, sharding, lambda idx: shards.get(weights[0])[idx])
+
+
+def _default_mesh(mesh):
+    if mesh is not None:
+        return mesh
+    from deepinfer.sharding.mesh import make_mesh
+
+    return make_mesh("dp=1", devices=jax.devices()[:1])
+
+
+def load_checkpoint(directory: str | os.PathLike, mesh=None, *, dequantize: bool = False,
+                    **config_overrides) -> tuple[ModelConfig, dict]:
+    """Read an official-format or orbax checkpoint onto `mesh` (default: the first device).
+
+    FP8/FP4 weights stay in their checkpoint form (`QuantWeight`) unless `dequantize=True`;
+    `config_overrides` replace config fields (e.g. `fake_quant=False`, `dtype="float32"`)."""
+    directory = os.fspath(directory)
+    if os.path.isfile(os.path.join(directory, ORBAX_MARKER)):
+        from deepinfer.model.orbax_format import restore_orbax
+
+        return restore_orbax(directory, mesh, **config_overrides)
+    from deepinfer.sharding.rules import param_sharding
+
+    config = load_config(directory, **config_overrides)
+    shards = _ShardSet(directory)
+    _validate(shards, config)
+    mesh = _default_mesh(mesh)
+    leaves = {}
+    for spec in param_specs(config):
+        quantized = spec.storage in QUANTIZED and not dequantize
+        sharding = param_sharding(spec, mesh, config, quantized=quantized)
+        try:
+            leaves[spec.name] = _load_leaf(spec, shards, config, sharding, dequantize)
+        except CheckpointFormatError:
+            raise
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"tensor `{spec.name}` in {directory}: {e}") from e
+    return config, build_tree(config, lambda s: leaves[s.name])
+
+
+__all__ = [
+    "CheckpointError", "CheckpointFormatError", "load_checkpoint", "write_checkpoint", "tensor_names",
+    "abstract_params",
+]
+
+
+def official_dense_tensors(params: dict, config: ModelConfig, dtype=np.float64) -> dict[str, np.ndarray]:
+    """Every weight under its official name, dequantized to `dtype` (no `.scale` tensors;
+    experts unstacked). For tests against independent references and for inspection."""
+    from deepinfer.model.layers import dequantize
+
+    out: dict[str, np.ndarray] = {}
+    for spec in param_specs(config):
+        leaf = tree_get(params, spec.path)
+        dense = np.asarray(jax.device_get(dequantize(leaf, jax.numpy.float32) if isinstance(leaf, QuantWeight) else leaf))
+        for name, role, e in tensor_names(spec):
+            if role == "weight":
+                out[name] = (dense[e] if e is not None else dense).astype(dtype)
+    return out

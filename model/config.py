@@ -1,0 +1,431 @@
+"""Model configuration: one frozen dataclass, its presets, and readers for the official files.
+
+A `ModelConfig` is hashable and static under `jax.jit`; it holds no mesh and reads no
+environment variable. It is read from an HF `config.json` (optionally nested under
+`text_config`), from the flat `inference/config.json` of the official release, or built
+from a preset name. Every value is validated on construction and errors name the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+LayerKind = str  # "swa" | "full" | "reuse" | "reindex"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a DeepSeek-V4.1-style model (names follow the HF `text_config`)."""
+
+    name: str = "custom"
+    model_type: str = "deepseek_v41"
+    vocab_size: int = 129280
+    hidden_size: int = 5120
+    num_hidden_layers: int = 40
+    num_nextn_predict_layers: int = 3
+    num_attention_heads: int = 64
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    sliding_window: int = 128
+    compress_ratios: tuple[int, ...] = (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
+    kv_source_layer_ids: tuple[int, ...] = (2, 8, 14, 20)
+    index_source_layer_ids: tuple[int, ...] = (2, 8, 14, 20, 24, 28, 32, 36)
+    candidate_source_layer_id: int = 20
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    max_position_embeddings: int = 1048576
+    n_routed_experts: int = 384
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 6
+    moe_intermediate_size: int = 2304
+    scoring_func: str = "sqrtsoftplus"
+    gate_temp: float = 1.0
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-20
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    engram_layer_ids: tuple[int, ...] = (1, 14)
+    engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    pad_token_id: int = 2
+    tie_word_embeddings: bool = False
+    weight_block_size: tuple[int, int] = (32, 32)
+    expert_dtype: str = "fp4"
+    # Runtime numerics (not in the official files): the reference's QAT fake-quant of the
+    # window KV (FP8), compressed KV and indexer keys/queries (FP4); and the activation dtype.
+    fake_quant: bool = True
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- layer schedule -------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    def compress_ratio(self, layer: int) -> int:
+        return self.compress_ratios[layer]
+
+    def kv_source(self, layer: int) -> int | None:
+        """The KV-source layer whose compressed KV `layer` attends to (None: window only)."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        sources = [s for s in self.kv_source_layer_ids if s <= layer]
+        return max(sources) if sources else None
+
+    def index_source(self, layer: int) -> int | None:
+        """The index-source layer whose top-k selection `layer` uses."""
+        if self.compress_ratios[layer] == 0:
+            return None
+        sources = [s for s in self.index_source_layer_ids if s <= layer]
+        return max(sources) if sources else None
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        if self.compress_ratios[layer] == 0:
+            return "swa"
+        if layer in self.kv_source_layer_ids:
+            return "full"
+        if layer in self.index_source_layer_ids:
+            return "reindex"
+        return "reuse"
+
+    def uses_candidates(self, layer: int) -> bool:
+        """Reindex layers after the candidate source score only inside its candidate pool."""
+        return 0 <= self.candidate_source_layer_id < layer and layer in self.index_source_layer_ids
+
+    @property
+    def decoder_start(self) -> int:
+        """First decoder layer of the CED split: the last KV source (layer 20 in the release)."""
+        return max(self.kv_source_layer_ids)
+
+    @property
+    def n_hash_columns(self) -> int:
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    def global_cache_bytes_per_token(self) -> float:
+        """Bytes of persistent (prefix-cacheable) cache per context token.
+
+        Per KV source: one FP4 main-KV entry (e2m1 values + one e4m3 scale per 16) and one FP4
+        indexer key (e2m1 values + one ue8m0 scale per 32) every `ratio` tokens.
+        """
+        kv_entry = self.head_dim // 2 + self.head_dim // 16
+        idx_entry = self.index_head_dim // 2 + self.index_head_dim // 32
+        return sum((kv_entry + idx_entry) / self.compress_ratios[s] for s in self.kv_source_layer_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+class ConfigError(ValueError):
+    """An invalid or inconsistent configuration; the message names the key."""
+
+
+def _fail(key: str, message: str) -> None:
+    raise ConfigError(f"config key `{key}`: {message}")
+
+
+def _validate(c: ModelConfig) -> None:
+    positive = (
+        "vocab_size hidden_size num_hidden_layers num_attention_heads head_dim q_lora_rank o_groups "
+        "o_lora_rank sliding_window index_n_heads index_head_dim index_topk n_routed_experts "
+        "num_experts_per_tok moe_intermediate_size hc_mult hc_sinkhorn_iters candidate_block_size "
+        "candidate_topk_blocks engram_max_ngram_size engram_n_heads engram_head_dim"
+    ).split()
+    for key in positive:
+        if not isinstance(getattr(c, key), int) or getattr(c, key) <= 0:
+            _fail(key, f"must be a positive integer, got {getattr(c, key)!r}")
+    if c.model_type not in ("deepseek_v41",):
+        _fail("model_type", f"unsupported model type {c.model_type!r} (supported: deepseek_v41)")
+    n_total = c.num_hidden_layers + c.num_nextn_predict_layers
+    if len(c.compress_ratios) != n_total:
+        _fail(
+            "compress_ratios",
+            f"needs num_hidden_layers + num_nextn_predict_layers = {n_total} entries, got {len(c.compress_ratios)}",
+        )
+    for i, r in enumerate(c.compress_ratios):
+        if r not in (0, 1, 2):
+            _fail("compress_ratios", f"entry {i} is {r}; V4.1 uses ratios 0, 1 and 2")
+    L = c.num_hidden_layers
+    for key in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids", "dspark_target_layer_ids"):
+        ids = getattr(c, key)
+        if list(ids) != sorted(set(ids)):
+            _fail(key, f"must be strictly increasing layer ids, got {list(ids)}")
+        for i in ids:
+            if not 0 <= i < L:
+                _fail(key, f"layer id {i} is out of range [0, {L})")
+    for s in c.kv_source_layer_ids:
+        if c.compress_ratios[s] == 0:
+            _fail("kv_source_layer_ids", f"layer {s} has compress ratio 0 and cannot produce compressed KV")
+    for s in c.index_source_layer_ids:
+        if c.compress_ratios[s] == 0:
+            _fail("index_source_layer_ids", f"layer {s} has compress ratio 0")
+    for s in c.kv_source_layer_ids:
+        if s not in c.index_source_layer_ids:
+            _fail("index_source_layer_ids", f"KV source {s} must also be an index source (it owns the indexer keys)")
+    for layer in range(L):
+        r = c.compress_ratios[layer]
+        if r == 0:
+            continue
+        src = c.kv_source(layer)
+        if src is None:
+            _fail("kv_source_layer_ids", f"layer {layer} has ratio {r} but no KV source at or before it")
+        if c.compress_ratios[src] != r:
+            _fail("compress_ratios", f"layer {layer} (ratio {r}) reads KV source {src} of ratio {c.compress_ratios[src]}")
+        isrc = c.index_source(layer)
+        if isrc is None or isrc < src:
+            _fail("index_source_layer_ids", f"layer {layer} has no index source at or after its KV source {src}")
+    cand = c.candidate_source_layer_id
+    if cand >= 0 and cand not in c.kv_source_layer_ids:
+        _fail("candidate_source_layer_id", f"layer {cand} is not a KV source")
+    if c.head_dim % c.o_groups or (c.num_attention_heads % c.o_groups):
+        _fail("o_groups", f"{c.o_groups} must divide num_attention_heads ({c.num_attention_heads})")
+    if not 0 < c.qk_rope_head_dim <= min(c.head_dim, c.index_head_dim) or c.qk_rope_head_dim % 2:
+        _fail("qk_rope_head_dim", f"must be even and at most head_dim and index_head_dim, got {c.qk_rope_head_dim}")
+    if c.num_experts_per_tok > c.n_routed_experts:
+        _fail("num_experts_per_tok", f"{c.num_experts_per_tok} exceeds n_routed_experts ({c.n_routed_experts})")
+    if c.n_shared_experts not in (0, 1):
+        _fail("n_shared_experts", f"only 0 or 1 shared expert is supported, got {c.n_shared_experts}")
+    if c.scoring_func != "sqrtsoftplus":
+        _fail("scoring_func", f"unsupported scoring function {c.scoring_func!r} (V4.1 uses sqrtsoftplus)")
+    if len(c.engram_num_embeddings) != len(c.engram_layer_ids):
+        _fail(
+            "engram_num_embeddings",
+            f"needs one table size per Engram layer ({len(c.engram_layer_ids)}), got {len(c.engram_num_embeddings)}",
+        )
+    if c.expert_dtype not in ("fp4", "fp8", "bf16"):
+        _fail("expert_dtype", f"unknown expert dtype {c.expert_dtype!r}")
+    if c.dtype not in ("float32", "bfloat16"):
+        _fail("dtype", f"activation dtype must be float32 or bfloat16, got {c.dtype!r}")
+    if c.hidden_size % c.weight_block_size[1] or c.hidden_size % c.weight_block_size[0]:
+        _fail("weight_block_size", f"{list(c.weight_block_size)} must divide hidden_size ({c.hidden_size})")
+
+
+# ---- presets ---------------------------------------------------------------------------
+
+DEEPSEEK_V41_FLASH = ModelConfig(name="deepseek-v4.1-flash")
+
+# Every mechanism of the release schedule at small widths: SWA-only layers 0-1 (Engram on 1),
+# ratio-2 sources 2 and 4 (Engram on 4) with a Reuse layer between, the ratio-1 decoder source 5
+# that builds the candidate pool, Reuse 6, Reindex 7 and Reuse 8-9; real vocabulary and tokenizer.
+TINY_V41 = ModelConfig(
+    name="tiny-v4.1",
+    hidden_size=128,
+    num_hidden_layers=10,
+    num_nextn_predict_layers=3,
+    num_attention_heads=4,
+    head_dim=128,
+    qk_rope_head_dim=32,
+    q_lora_rank=64,
+    o_groups=2,
+    o_lora_rank=32,
+    sliding_window=128,
+    compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 1, 1, 0, 0, 0),
+    kv_source_layer_ids=(2, 4, 5),
+    index_source_layer_ids=(2, 4, 5, 7),
+    candidate_source_layer_id=5,
+    candidate_topk_blocks=8,
+    candidate_block_size=8,
+    index_n_heads=16,
+    index_head_dim=64,
+    index_topk=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    engram_layer_ids=(1, 4),
+    engram_num_embeddings=(12458, 13416),
+    engram_vocab_size=1000,
+    engram_n_heads=4,
+    engram_head_dim=32,
+    dspark_target_layer_ids=(7, 8, 9),
+    dspark_markov_rank=16,
+    dspark_n_routed_experts=8,
+    dspark_num_experts_per_tok=2,
+    max_position_embeddings=65536,
+    original_seq_len=4096,
+    dtype="float32",
+)
+
+PRESETS: dict[str, ModelConfig] = {c.name: c for c in (DEEPSEEK_V41_FLASH, TINY_V41)}
+
+
+# ---- readers ---------------------------------------------------------------------------
+
+# flat `inference/config.json` name -> ModelConfig field
+_FLAT_NAMES = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_mtp_layers": "num_nextn_predict_layers",
+    "n_heads": "num_attention_heads",
+    "rope_head_dim": "qk_rope_head_dim",
+    "window_size": "sliding_window",
+    "kv_source_layers": "kv_source_layer_ids",
+    "index_source_layers": "index_source_layer_ids",
+    "candidate_source_layer": "candidate_source_layer_id",
+    "n_activated_experts": "num_experts_per_tok",
+    "moe_inter_dim": "moe_intermediate_size",
+    "score_func": "scoring_func",
+    "route_scale": "routed_scaling_factor",
+    "norm_eps": "rms_norm_eps",
+    "engram_pad_id": "engram_pad_token_id",
+    "dspark_n_activated_experts": "dspark_num_experts_per_tok",
+    "rope_factor": "rope_factor",
+    "max_seq_len": "max_position_embeddings",
+}
+# keys of the official files that carry no model math for a text-only engine
+_IGNORED = {
+    "architectures", "transformers_version", "torch_dtype", "use_cache", "initializer_range",
+    "attention_bias", "attention_dropout", "mlp_bias", "hidden_act", "num_key_value_heads",
+    "topk_method", "image_token_id", "vision_config", "quantization_config", "auto_map",
+    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "max_batch_size",
+    "vision_dim", "vision_layers", "vision_heads", "vision_inter_dim", "vision_patch_size",
+    "vision_rope_theta", "vision_downsample_ratio", "vision_max_image_tokens", "vision_min_pixels",
+    "vision_max_wh_ratio", "scale_fmt", "n_dense_layers", "rope_parameters", "rope_type",
+    "generation_config", "chat_template", "dtype_fp8", "_name_or_path", "text_config",
+}
+
+
+def _canonical(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "model_type":
+            mt = str(value).removesuffix("_text")
+            if mt not in ("deepseek_v41",):
+                _fail("model_type", f"{source}: unsupported model type {value!r}")
+            out["model_type"] = mt
+            continue
+        if key == "rope_scaling":
+            if value:
+                kind = value.get("type", value.get("rope_type"))
+                if kind != "yarn":
+                    _fail("rope_scaling", f"{source}: only YaRN is supported, got {kind!r}")
+                out["rope_factor"] = float(value["factor"])
+                out["original_seq_len"] = int(
+                    value.get("original_max_position_embeddings", value.get("original_seq_len"))
+                )
+                out["beta_fast"] = float(value.get("beta_fast", 32))
+                out["beta_slow"] = float(value.get("beta_slow", 1))
+            continue
+        if key == "dtype":  # flat config: storage dtype of the dense weights ("fp8")
+            if value not in ("fp8", "bf16", "float32", "bfloat16"):
+                _fail("dtype", f"{source}: unknown weight dtype {value!r}")
+            continue
+        if key in _IGNORED:
+            continue
+        name = _FLAT_NAMES.get(key, key)
+        if name not in fields or name in ("name", "fake_quant", "dtype"):
+            _fail(key, f"{source}: unknown key")
+        if isinstance(value, list):
+            value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        out[name] = value
+    if "weight_block_size" in out:
+        out["weight_block_size"] = tuple(out["weight_block_size"])
+    return out
+
+
+def config_from_dict(raw: dict[str, Any], *, source: str = "config", name: str = "custom") -> ModelConfig:
+    """Build a config from an HF `config.json` dict (flat or `text_config`-nested) or a flat
+    `inference/config.json` dict; keys the dict lacks keep the release values."""
+    text = dict(raw.get("text_config", {}))
+    top = {k: v for k, v in raw.items() if k != "text_config"}
+    quant = top.get("quantization_config") or text.get("quantization_config") or {}
+    merged = {**{k: v for k, v in top.items() if k not in text}, **text}
+    values = _canonical(merged, source)
+    if quant:
+        if "weight_block_size" in quant:
+            values["weight_block_size"] = tuple(quant["weight_block_size"])
+        if "expert_dtype" in quant:
+            values["expert_dtype"] = quant["expert_dtype"]
+    values.setdefault("dtype", "bfloat16")
+    values["name"] = name
+    return ModelConfig(**values)
+
+
+def load_config(name_or_path: str | os.PathLike, **overrides: Any) -> ModelConfig:
+    """A preset name, a checkpoint directory, or a path to a `config.json`.
+
+    In a directory, `config.json` (HF names) wins over `inference/config.json` (flat names).
+    `overrides` replace fields afterwards (e.g. `fake_quant=False`, `dtype="float32"`).
+    """
+    key = str(name_or_path)
+    if key in PRESETS:
+        config = PRESETS[key]
+    else:
+        path = os.fspath(name_or_path)
+        if os.path.isdir(path):
+            for candidate in ("config.json", os.path.join("inference", "config.json")):
+                if os.path.isfile(os.path.join(path, candidate)):
+                    path = os.path.join(path, candidate)
+                    break
+            else:
+                raise FileNotFoundError(
+                    f"{name_or_path}: no config.json or inference/config.json in this directory"
+                )
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config file"
+            )
+        with open(path, encoding="utf-8") as f:
+            try:
+                raw = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        config = config_from_dict(raw, source=path, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+    return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def to_hf_config(config: ModelConfig) -> dict[str, Any]:
+    """The HF-style `config.json` written next to a checkpoint (text_config nesting)."""
+    text = config.to_dict()
+    for k in ("name", "fake_quant", "dtype", "weight_block_size", "expert_dtype", "model_type"):
+        text.pop(k)
+    text["model_type"] = config.model_type + "_text"
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": config.model_type,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(config.weight_block_size),
+            "scale_fmt": "ue8m0",
+            "expert_dtype": config.expert_dtype,
+        },
+        "text_config": text,
+    }

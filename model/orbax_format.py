@@ -1,0 +1,82 @@
+"""The engine's fast-restart format: the params exactly as the model uses them (stacked experts,
+quantized leaves kept quantized), saved with orbax-checkpoint and restored sharded onto any mesh,
+including one of a different shape than the mesh it was saved from."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from deepinfer.model.config import ModelConfig, config_from_dict, to_hf_config
+from deepinfer.model.params import FP4, FP8, FP8_ROWS, QuantWeight, abstract_params, build_tree, param_specs, tree_get
+
+MARKER = "deepinfer_orbax.json"
+FORMAT_VERSION = 1
+
+
+def _quantized_storage(params: dict, config: ModelConfig) -> list[str]:
+    return sorted({s.storage for s in param_specs(config) if isinstance(tree_get(params, s.path), QuantWeight)})
+
+
+def save_orbax(params: dict, config: ModelConfig, directory: str | os.PathLike) -> None:
+    directory = os.path.abspath(os.fspath(directory))
+    os.makedirs(directory, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(directory, "params"), params, force=True)
+    checkpointer.wait_until_finished()
+    marker = {"format_version": FORMAT_VERSION, "quantized": _quantized_storage(params, config),
+              "config": to_hf_config(config)}
+    with open(os.path.join(directory, MARKER), "w", encoding="utf-8") as f:
+        json.dump(marker, f, indent=1)
+
+
+def restore_orbax(directory: str | os.PathLike, mesh=None, **config_overrides) -> tuple[ModelConfig, dict]:
+    from deepinfer.model.checkpoint import CheckpointError, _default_mesh
+    from deepinfer.sharding.rules import param_sharding
+
+    directory = os.path.abspath(os.fspath(directory))
+    with open(os.path.join(directory, MARKER), encoding="utf-8") as f:
+        marker = json.load(f)
+    if marker.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory}: orbax format version {marker.get('format_version')} is not {FORMAT_VERSION}")
+    config = config_from_dict(marker["config"], source=os.path.join(directory, MARKER), name=os.path.basename(directory))
+    if config_overrides:
+        import dataclasses
+
+        config = dataclasses.replace(config, **config_overrides)
+    quantized = set(marker["quantized"])
+    mesh = _default_mesh(mesh)
+    abstract = abstract_params(config, quantized=bool(quantized))
+
+    def target(spec):
+        is_q = spec.storage in quantized and spec.storage in (FP8, FP8_ROWS, FP4)
+        sharding = param_sharding(spec, mesh, config, quantized=is_q)
+        leaf = tree_get(abstract, spec.path)
+        if is_q:
+            return QuantWeight(jax.ShapeDtypeStruct(leaf.q.shape, leaf.q.dtype, sharding=sharding.q),
+                               jax.ShapeDtypeStruct(leaf.scale.shape, leaf.scale.dtype, sharding=sharding.scale),
+                               kind=leaf.kind, block=leaf.block)
+        dense = jax.ShapeDtypeStruct(spec.shape, leaf.dtype if not isinstance(leaf, QuantWeight) else config_dtype(config),
+                                     sharding=sharding)
+        return dense
+
+    params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), build_tree(config, target))
+    return config, params
+
+
+def config_dtype(config: ModelConfig):
+    from deepinfer.model.params import compute_dtype
+
+    return compute_dtype(config)
+
+
+def convert_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, mesh=None) -> ModelConfig:
+    """Official checkpoint -> orbax fast-restart checkpoint (quantized form kept)."""
+    from deepinfer.model.checkpoint import load_checkpoint
+
+    config, params = load_checkpoint(src, mesh)
+    save_orbax(params, config, dst)
+    return config

@@ -1,0 +1,254 @@
+"""One definition per weight: official name, shape, storage format, logical axes, initialiser.
+
+Everything else derives from `param_specs(config)`: random init, the abstract (shape-only) tree,
+shardings, the official checkpoint name map and the orbax layout. The params pytree mirrors the
+official tensor names: `layers.3.attn.wq_a.weight` lives at `params["layers"][3]["attn"]["wq_a"]`,
+so the name map is the identity except for routed experts, which the tree stacks along a leading
+expert axis (`ffn.experts.{e}.w1` -> `params[...]["ffn"]["experts"]["w1"][e]`).
+
+A leaf is either a plain array (dense, in the compute dtype) or a `QuantWeight` holding the
+checkpoint's quantized form (FP8 e4m3 + UE8M0 block scales, or MXFP4 packed nibbles + UE8M0
+scales per 32), dequantized at use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer.model.config import ModelConfig
+
+# storage formats of the official checkpoint
+FP8 = "fp8"  # float8_e4m3fn [out, in] + float8_e8m0fnu scale per weight block (32x32 in V4.1)
+FP8_ROWS = "fp8_rows"  # Engram tables: e4m3 rows with one e8m0 scale per 1x32 block
+FP4 = "fp4"  # routed experts: int8 [out, in/2] packed e2m1 (even k low nibble) + e8m0 scale per 1x32
+BF16 = "bf16"
+F32 = "f32"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A tensor of the official checkpoint as the model uses it."""
+
+    name: str  # official name without the ".weight" suffix, e.g. "layers.3.attn.wq_a"
+    shape: tuple[int, ...]  # logical (dequantized) shape; stacked experts lead with E
+    storage: str  # FP8 | FP8_ROWS | FP4 | BF16 | F32
+    axes: tuple[str | None, ...]  # logical axis names, one per dim of `shape`
+    init: str = "normal"  # normal | ones | zeros | sink | small
+    has_weight_suffix: bool = True  # `attn_sink`, `hc_*` and gate biases have no ".weight"
+    experts: int = 0  # > 0: stacked over routed experts (checkpoint stores one tensor per expert)
+
+    @property
+    def path(self) -> tuple[str | int, ...]:
+        """Where the leaf sits in the params tree. The router's weight sits beside its biases
+        (`ffn.gate.weight`, `ffn.gate.bias`), so its path keeps the `weight` key."""
+        parts: list[str | int] = [int(p) if p.isdigit() else p for p in self.name.split(".")]
+        if parts[-1] == "gate" and parts[-2] == "ffn":
+            parts.append("weight")
+        return tuple(parts)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantWeight:
+    """A weight kept in its checkpoint format. `kind` is FP8, FP8_ROWS or FP4 (static)."""
+
+    q: jax.Array
+    scale: jax.Array
+    kind: str = dataclasses.field(metadata=dict(static=True))
+    block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+
+
+def _layer_specs(c: ModelConfig, i: int) -> list[ParamSpec]:
+    D, hd, H = c.hidden_size, c.head_dim, c.num_attention_heads
+    hc = c.hc_mult
+    mix = (2 + hc) * hc
+    p = f"layers.{i}."
+    specs = [
+        ParamSpec(p + "attn_norm", (D,), BF16, ("embed",), "ones"),
+        ParamSpec(p + "ffn_norm", (D,), BF16, ("embed",), "ones"),
+        ParamSpec(p + "hc_attn_fn", (mix, hc * D), F32, (None, "hc_embed"), "small", False),
+        ParamSpec(p + "hc_attn_base", (mix,), F32, (None,), "small", False),
+        ParamSpec(p + "hc_attn_scale", (3,), F32, (None,), "ones", False),
+        ParamSpec(p + "hc_ffn_fn", (mix, hc * D), F32, (None, "hc_embed"), "small", False),
+        ParamSpec(p + "hc_ffn_base", (mix,), F32, (None,), "small", False),
+        ParamSpec(p + "hc_ffn_scale", (3,), F32, (None,), "ones", False),
+        ParamSpec(p + "attn.wq_a", (c.q_lora_rank, D), FP8, ("q_lora", "embed")),
+        ParamSpec(p + "attn.q_norm", (c.q_lora_rank,), BF16, ("q_lora",), "ones"),
+        ParamSpec(p + "attn.wq_b", (H * hd, c.q_lora_rank), FP8, ("heads", "q_lora")),
+        ParamSpec(p + "attn.wkv", (hd, D), FP8, ("kv", "embed")),
+        ParamSpec(p + "attn.kv_norm", (hd,), BF16, ("kv",), "ones"),
+        ParamSpec(p + "attn.wo_a", (c.o_groups * c.o_lora_rank, H * hd // c.o_groups), FP8, ("o_lora", None)),
+        ParamSpec(p + "attn.wo_b", (D, c.o_groups * c.o_lora_rank), FP8, ("embed", "o_lora")),
+        ParamSpec(p + "attn.attn_sink", (H,), F32, ("heads_only",), "sink", False),
+    ]
+    if i in c.kv_source_layer_ids:
+        specs += [
+            ParamSpec(p + "attn.compressor.wkv", (hd, D), BF16, ("kv", "embed")),
+            ParamSpec(p + "attn.compressor.norm", (hd,), BF16, ("kv",), "ones"),
+            ParamSpec(p + "attn.indexer.wk", (c.index_head_dim, hd), BF16, (None, "kv")),
+            ParamSpec(p + "attn.indexer.k_norm", (c.index_head_dim,), BF16, (None,), "ones"),
+        ]
+        if c.compress_ratios[i] > 1:
+            specs.append(ParamSpec(p + "attn.compressor.wgate", (hd, D), BF16, ("kv", "embed")))
+    if i in c.index_source_layer_ids:
+        specs += [
+            ParamSpec(
+                p + "attn.indexer.wq_b", (c.index_n_heads * c.index_head_dim, c.q_lora_rank), FP8, (None, "q_lora")
+            ),
+            ParamSpec(p + "attn.indexer.weights_proj", (c.index_n_heads, D), BF16, (None, "embed")),
+        ]
+    specs += _moe_specs(c, p + "ffn.", c.n_routed_experts)
+    if i in c.engram_layer_ids:
+        k = c.engram_layer_ids.index(i)
+        cols = c.n_hash_columns * c.engram_head_dim
+        specs += [
+            ParamSpec(p + "engram.embed", (c.engram_num_embeddings[k], c.engram_head_dim), FP8_ROWS, ("engram_rows", None)),
+            ParamSpec(p + "engram.wkv", ((hc + 1) * D, cols), FP8, ("hc_embed", None)),
+            ParamSpec(p + "engram.q_weight", (hc, D), BF16, (None, "embed"), "ones", False),
+            ParamSpec(p + "engram.k_weight", (hc, D), BF16, (None, "embed"), "ones", False),
+        ]
+    return specs
+
+
+def _moe_specs(c: ModelConfig, p: str, n_experts: int) -> list[ParamSpec]:
+    D, F = c.hidden_size, c.moe_intermediate_size
+    expert_storage = FP4 if c.expert_dtype == "fp4" else FP8
+    specs = [
+        ParamSpec(p + "gate", (n_experts, D), BF16, ("experts_only", "embed")),
+        ParamSpec(p + "gate.bias", (n_experts,), F32, ("experts_only",), "small", False),
+        ParamSpec(p + "gate.bias_vl", (n_experts,), F32, ("experts_only",), "small", False),
+        ParamSpec(p + "experts.w1", (n_experts, F, D), expert_storage, ("experts", "ffw", "embed"), experts=n_experts),
+        ParamSpec(p + "experts.w3", (n_experts, F, D), expert_storage, ("experts", "ffw", "embed"), experts=n_experts),
+        ParamSpec(p + "experts.w2", (n_experts, D, F), expert_storage, ("experts", "embed", "ffw"), experts=n_experts),
+    ]
+    if c.n_shared_experts:
+        specs += [
+            ParamSpec(p + "shared_experts.w1", (F, D), FP8, ("ffw", "embed")),
+            ParamSpec(p + "shared_experts.w3", (F, D), FP8, ("ffw", "embed")),
+            ParamSpec(p + "shared_experts.w2", (D, F), FP8, ("embed", "ffw")),
+        ]
+    return specs
+
+
+def param_specs(config: ModelConfig) -> list[ParamSpec]:
+    """Every backbone tensor of the official checkpoint (text model; DSpark `mtp.*` and vision
+    tensors are not part of the forward pass and are not listed)."""
+    c = config
+    specs = [
+        ParamSpec("embed", (c.vocab_size, c.hidden_size), BF16, ("vocab", "embed"), "normal"),
+        ParamSpec("head", (c.vocab_size, c.hidden_size), BF16, ("vocab", "embed"), "normal"),
+        ParamSpec("norm", (c.hidden_size,), BF16, ("embed",), "ones"),
+    ]
+    for i in range(c.num_hidden_layers):
+        specs += _layer_specs(c, i)
+    return specs
+
+
+# ---- tree helpers ----------------------------------------------------------------------
+
+
+def tree_get(tree: Any, path: tuple[str | int, ...]) -> Any:
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _tree_set(tree: dict, path: tuple[str | int, ...], value: Any) -> None:
+    node: Any = tree
+    for p, nxt in zip(path[:-1], path[1:]):
+        if isinstance(p, int):
+            while len(node) <= p:
+                node.append({})
+            node = node[p]
+        else:
+            if p not in node:
+                node[p] = [] if isinstance(nxt, int) else {}
+            node = node[p]
+    node[path[-1]] = value
+
+
+def build_tree(config: ModelConfig, leaf_fn) -> dict:
+    """A params tree with `leaf_fn(spec)` at each spec's path (lists become tuples-free dicts)."""
+    tree: dict = {}
+    for spec in param_specs(config):
+        _tree_set(tree, spec.path, leaf_fn(spec))
+    return tree
+
+
+def iter_specs_with_leaves(config: ModelConfig, params: dict) -> Iterator[tuple[ParamSpec, Any]]:
+    for spec in param_specs(config):
+        yield spec, tree_get(params, spec.path)
+
+
+def compute_dtype(config: ModelConfig):
+    return jnp.float32 if config.dtype == "float32" else jnp.bfloat16
+
+
+def dense_dtype(spec: ParamSpec, config: ModelConfig):
+    """The dtype a dense (dequantized) leaf is kept in: f32 tensors stay f32."""
+    return jnp.float32 if spec.storage == F32 else compute_dtype(config)
+
+
+def _init_value(spec: ParamSpec, rng: np.random.Generator) -> np.ndarray:
+    shape = spec.shape
+    if spec.init == "ones":
+        return 1.0 + 0.1 * rng.standard_normal(shape)
+    if spec.init == "zeros":
+        return np.zeros(shape)
+    if spec.init == "sink":
+        return rng.standard_normal(shape)
+    if spec.init == "small":
+        return 0.1 * rng.standard_normal(shape)
+    fan_in = shape[-1]
+    return rng.standard_normal(shape) / np.sqrt(fan_in)
+
+
+def init_params(config: ModelConfig, seed: int = 0) -> dict:
+    """Random dense params (host RNG, deterministic per seed and tensor name), for tests, the
+    tiny presets and benchmarks. Values are O(1)-scaled so every mechanism is exercised."""
+    def leaf(spec: ParamSpec):
+        rng = np.random.default_rng(np.random.SeedSequence([seed, *spec.name.encode()]))
+        value = _init_value(spec, rng).astype(np.float32)
+        return jnp.asarray(value, dtype=dense_dtype(spec, config))
+
+    return build_tree(config, leaf)
+
+
+def abstract_params(config: ModelConfig, quantized: bool = False) -> dict:
+    """Shape/dtype tree without allocating (dense or checkpoint-quantized form)."""
+    def leaf(spec: ParamSpec):
+        if quantized and spec.storage in (FP8, FP8_ROWS, FP4):
+            return abstract_quant(spec, config)
+        return jax.ShapeDtypeStruct(spec.shape, dense_dtype(spec, config))
+
+    return build_tree(config, leaf)
+
+
+def quant_block(spec: ParamSpec, config: ModelConfig) -> tuple[int, int]:
+    return tuple(config.weight_block_size) if spec.storage == FP8 else (1, 32)
+
+
+def quant_shapes(spec: ParamSpec, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of (q, scale) of a quantized leaf, stacked experts included."""
+    *lead, n, k = spec.shape
+    bn, bk = quant_block(spec, config)
+    scale = (*lead, -(-n // bn), -(-k // bk))
+    q = (*lead, n, k // 2) if spec.storage == FP4 else spec.shape
+    return q, scale
+
+
+def abstract_quant(spec: ParamSpec, config: ModelConfig) -> QuantWeight:
+    q_shape, s_shape = quant_shapes(spec, config)
+    q_dtype = jnp.int8 if spec.storage == FP4 else jnp.float8_e4m3fn
+    return QuantWeight(
+        jax.ShapeDtypeStruct(q_shape, q_dtype),
+        jax.ShapeDtypeStruct(s_shape, jnp.float8_e8m0fnu),
+        kind=spec.storage,
+        block=quant_block(spec, config),
+    )

@@ -1,0 +1,1 @@
+"""Independent float64 numpy references used as test oracles."""
