@@ -17,9 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer.model import compressor, indexer, quant
+from deepinfer.model import compressor, indexer, qat
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.layers import apply_rope, dequantize, layer_inv_freq, linear, rms_norm
+from deepinfer.model.layers import apply_rope, compress_inv_freq, dequantize, layer_inv_freq, linear, rms_norm
 from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
 
@@ -29,11 +29,11 @@ def query_and_window_kv(p: dict, config: ModelConfig, layer: int, x: jax.Array, 
     inv_freq = layer_inv_freq(config, layer)
     q_residual = rms_norm(linear(x, p["wq_a"]), p["q_norm"], config.rms_norm_eps)
     q = linear(q_residual, p["wq_b"]).reshape(B, T, config.num_attention_heads, config.head_dim)
+    if config.is_v4:  # V4 normalizes each head (no weight); V4.1 does not
+        q = rms_norm(q, None, config.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], config.rms_norm_eps)
-    kv = apply_rope(kv, positions, inv_freq)
-    if config.fake_quant:
-        kv = quant.fake_quant_fp8(kv, block=32)
+    kv = qat.window_kv(apply_rope(kv, positions, inv_freq), config)
     return q, q_residual, kv
 
 
@@ -55,8 +55,17 @@ def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
 
 
 def publish_source(p: dict, config: ModelConfig, layer: int, x: jax.Array, shared: dict) -> None:
-    """A KV-source layer compresses the whole sequence and publishes entries and index keys."""
+    """A layer that owns a compressor compresses the whole sequence and publishes its entries
+    and (when it has an indexer) its index keys."""
     ratio = config.compress_ratios[layer]
+    if config.is_v4:
+        rows, entry_pos = compressor.compress_full_v4(p["compressor"], config, x, ratio)
+        shared["entries", layer] = compressor.cache_entries(config, rows, entry_pos)
+        if config.layer_kind(layer) == "csa":
+            keys, key_pos = compressor.compress_full_v4(p["indexer"]["compressor"], config, x, ratio)
+            shared["index_keys", layer] = qat.index_vector(
+                apply_rope(keys, key_pos, compress_inv_freq(config)), config)
+        return
     latent, entry_pos = compressor.compress_full(p["compressor"], config, x, ratio)
     shared["entries", layer] = compressor.cache_entries(config, latent, entry_pos)
     shared["index_keys", layer] = indexer.index_keys(p["indexer"], config, latent, entry_pos)
@@ -87,13 +96,16 @@ def attention_full(p: dict, config: ModelConfig, layer: int, x: jax.Array, posit
     entries = jnp.zeros((B, 0, config.head_dim), kv.dtype)
     topk = jnp.zeros((B, T, 0), jnp.int32)
     kind = config.layer_kind(layer)
-    if kind == "full":
+    if config.owns_compressor(layer):
         publish_source(p, config, layer, x, shared)
-    if kind in ("full", "reindex"):
+    if kind in ("full", "reindex", "csa"):
         index_layer(p, config, layer, x, q_residual, positions, shared)
     if kind != "swa":
         entries = shared["entries", config.kv_source(layer)]
-        topk = shared["topk", config.index_source(layer)]
+        if kind == "hca":
+            topk = indexer.dense_selection(positions, entries.shape[1], config.compress_ratios[layer])
+        else:
+            topk = shared["topk", config.index_source(layer)]
     attend = get_kernel("sparse_attention", kernels)
     o = attend(q, kv, window_mask(positions, positions, config.sliding_window), entries, topk,
                p["attn_sink"], config.head_dim ** -0.5)

@@ -24,19 +24,16 @@ import numpy as np
 from deepinfer.model import quant
 from deepinfer.model.config import ModelConfig, load_config, to_hf_config
 from deepinfer.model.params import (
-    BF16, F32, FP4, FP8, FP8_ROWS, ParamSpec, QuantWeight, abstract_params, build_tree, dense_dtype, param_specs,
+    BF16, F32, FP4, FP8, FP8_ROWS, I64, ParamSpec, QuantWeight, abstract_params, build_tree, dense_dtype, param_specs,
     quant_block, quant_shapes, tree_get,
 )
-from deepinfer.model.safetensors_io import CheckpointFormatError, SafetensorsFile, write_safetensors
+from deepinfer.model.safetensors_io import CheckpointError, CheckpointFormatError, SafetensorsFile, write_safetensors
 
 INDEX_FILE = "model.safetensors.index.json"
 ORBAX_MARKER = "deepinfer_orbax.json"
+# V4.1's DSpark drafter (`mtp.*`, not implemented yet) and the vision tower are not read.
 IGNORED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
 QUANTIZED = (FP8, FP8_ROWS, FP4)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model; the message names the tensor and the file."""
 
 
 # ---- name map --------------------------------------------------------------------------
@@ -70,7 +67,7 @@ def expected_format(spec: ParamSpec, config: ModelConfig, role: str) -> tuple[st
             return "F8_E8M0", s_shape
         return ("I8" if spec.storage == FP4 else "F8_E4M3"), q_shape
     shape = spec.shape[1:] if spec.experts else spec.shape
-    return ("F32" if spec.storage == F32 else "BF16"), shape
+    return {F32: "F32", I64: "I64"}.get(spec.storage, "BF16"), shape
 
 
 # ---- writing ---------------------------------------------------------------------------
@@ -98,7 +95,7 @@ def _official_arrays(spec: ParamSpec, leaf: Any, config: ModelConfig) -> dict[st
             out[name] = np.ascontiguousarray(src[e] if e is not None else src)
         return out
     dense = np.asarray(jax.device_get(leaf))
-    target = np.float32 if spec.storage == F32 else ml_dtypes.bfloat16
+    target = {F32: np.float32, I64: np.int64}.get(spec.storage, ml_dtypes.bfloat16)
     for name, _, e in names:
         out[name] = np.ascontiguousarray((dense[e] if e is not None else dense).astype(target))
     return out
@@ -117,7 +114,7 @@ def write_checkpoint(params: dict, config: ModelConfig, directory: str | os.Path
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     groups: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
-    for spec in param_specs(config):
+    for spec in param_specs(config, include_mtp="mtp" in params):
         for name, array in _official_arrays(spec, tree_get(params, spec.path), config).items():
             groups[_shard_key(name)][name] = array
     keys = sorted(groups)
@@ -163,7 +160,11 @@ class _ShardSet:
     def file(self, name: str) -> SafetensorsFile:
         filename = self.weight_map[name]
         if filename not in self._files:
-            self._files[filename] = SafetensorsFile(os.path.join(self.directory, filename))
+            f = SafetensorsFile(os.path.join(self.directory, filename))
+            unlisted = [n for n in f.names if self.weight_map.get(n) != filename]
+            if unlisted:
+                raise CheckpointError(f"tensor `{unlisted[0]}` in {f.path} is not listed for that file in {INDEX_FILE}")
+            self._files[filename] = f
         f = self._files[filename]
         if name not in f:
             raise CheckpointError(f"tensor `{name}` is listed in {INDEX_FILE} but missing from {f.path}")
@@ -173,9 +174,9 @@ class _ShardSet:
         return self.file(name).get(name)
 
 
-def _validate(shards: _ShardSet, config: ModelConfig) -> None:
+def _validate(shards: _ShardSet, config: ModelConfig, include_mtp: bool) -> None:
     expected = {}
-    for spec in param_specs(config):
+    for spec in param_specs(config, include_mtp):
         for name, role, _ in tensor_names(spec):
             expected[name] = expected_format(spec, config, role)
     missing = [n for n in expected if n not in shards.weight_map]
@@ -261,24 +262,26 @@ def load_checkpoint(directory: str | os.PathLike, mesh=None, *, dequantize: bool
     if os.path.isfile(os.path.join(directory, ORBAX_MARKER)):
         from deepinfer.model.orbax_format import restore_orbax
 
-        return restore_orbax(directory, mesh, **config_overrides)
+        return restore_orbax(directory, mesh, dequantize=dequantize, **config_overrides)
     from deepinfer.sharding.rules import param_sharding
 
     config = load_config(directory, **config_overrides)
     shards = _ShardSet(directory)
-    _validate(shards, config)
+    # V4's MTP block is optional in a checkpoint (HF conversions drop it): load it when present.
+    include_mtp = config.is_v4 and any(name.startswith("mtp.") for name in shards.weight_map)
+    _validate(shards, config, include_mtp)
     mesh = _default_mesh(mesh)
     leaves = {}
-    for spec in param_specs(config):
+    for spec in param_specs(config, include_mtp):
         quantized = spec.storage in QUANTIZED and not dequantize
         sharding = param_sharding(spec, mesh, config, quantized=quantized)
         try:
             leaves[spec.name] = _load_leaf(spec, shards, config, sharding, dequantize)
-        except CheckpointFormatError:
+        except CheckpointError:
             raise
         except (ValueError, OSError) as e:
             raise CheckpointError(f"tensor `{spec.name}` in {directory}: {e}") from e
-    return config, build_tree(config, lambda s: leaves[s.name])
+    return config, build_tree(config, lambda s: leaves[s.name], include_mtp)
 
 
 __all__ = [
@@ -293,7 +296,7 @@ def official_dense_tensors(params: dict, config: ModelConfig, dtype=np.float64) 
     from deepinfer.model.layers import dequantize
 
     out: dict[str, np.ndarray] = {}
-    for spec in param_specs(config):
+    for spec in param_specs(config, include_mtp="mtp" in params):
         leaf = tree_get(params, spec.path)
         dense = np.asarray(jax.device_get(dequantize(leaf, jax.numpy.float32) if isinstance(leaf, QuantWeight) else leaf))
         for name, role, e in tensor_names(spec):

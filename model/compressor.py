@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer.model import quant
+from deepinfer.model import qat
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers import apply_rope, compress_inv_freq, dequantize, linear, rms_norm
 
@@ -42,11 +42,8 @@ def pool_groups(kv: jax.Array, gate: jax.Array | None, ratio: int, norm_weight: 
 
 def cache_entries(config: ModelConfig, latent: jax.Array, positions: jax.Array) -> jax.Array:
     """Main compressed-KV entries: RoPE (compress rope) at each group's first position, then
-    the reference's FP4 fake-quant (e2m1, one e4m3 scale per 16 channels)."""
-    rotated = apply_rope(latent, positions, compress_inv_freq(config))
-    if config.fake_quant:
-        rotated = quant.fake_quant_fp4(rotated, block=16, e4m3_scales=True)
-    return rotated
+    the reference's fake-quant (`qat.compressed_kv`)."""
+    return qat.compressed_kv(apply_rope(latent, positions, compress_inv_freq(config)), config)
 
 
 def compress_full(p: dict, config: ModelConfig, x: jax.Array, ratio: int) -> tuple[jax.Array, jax.Array]:
@@ -58,3 +55,31 @@ def compress_full(p: dict, config: ModelConfig, x: jax.Array, ratio: int) -> tup
     latent = pool_groups(kv, gate, ratio, p["norm"], config.rms_norm_eps, x.dtype)
     positions = jnp.broadcast_to(jnp.arange(T // ratio, dtype=jnp.int32) * ratio, (B, T // ratio))
     return latent, positions
+
+
+def compress_full_v4(p: dict, config: ModelConfig, x: jax.Array, ratio: int) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V4 compressor over a whole sequence `x [B, T, D]`: rows `[B, T//ratio, width]`
+    (normalized, pre-RoPE) and their positions (each window's first token).
+
+    Per channel, a softmax over the window's slots of `gate + ape[slot]` weighs the slots' `kv`.
+    CSA (ratio 4) overlaps: row w pools the first halves of window w-1 (channels :width, ape
+    `[:, :width]`) and the second halves of window w (channels width:, ape `[:, width:]`), so it
+    covers tokens 4w-4 .. 4w+3; window -1 contributes nothing (score -inf). HCA pools its window."""
+    B, T, _ = x.shape
+    n = T // ratio
+    width = p["norm"].shape[-1]
+    if n == 0:
+        return jnp.zeros((B, 0, width), x.dtype), jnp.zeros((B, 0), jnp.int32)
+    xf = x[:, : n * ratio].astype(jnp.float32)
+    kv = jnp.einsum("...i,oi->...o", xf, dequantize(p["wkv"], jnp.float32)).reshape(B, n, ratio, -1)
+    score = jnp.einsum("...i,oi->...o", xf, dequantize(p["wgate"], jnp.float32)).reshape(B, n, ratio, -1)
+    score = score + p["ape"].astype(jnp.float32)
+    if ratio == 4:
+        prev_kv = jnp.pad(kv[:, :-1, :, :width], ((0, 0), (1, 0), (0, 0), (0, 0)))
+        prev_score = jnp.pad(score[:, :-1, :, :width], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
+        kv = jnp.concatenate([prev_kv, kv[..., width:]], axis=2)
+        score = jnp.concatenate([prev_score, score[..., width:]], axis=2)
+    rows = jnp.sum(kv * jax.nn.softmax(score, axis=2), axis=2).astype(x.dtype)
+    rows = rms_norm(rows, p["norm"], config.rms_norm_eps)
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * ratio, (B, n))
+    return rows, positions

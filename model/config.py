@@ -81,6 +81,8 @@ class ModelConfig:
     eos_token_id: int = 1
     pad_token_id: int = 2
     tie_word_embeddings: bool = False
+    # DeepSeek-V4 only: the first `num_hash_layers` MoE layers route by a token-id table.
+    num_hash_layers: int = 0
     weight_block_size: tuple[int, int] = (32, 32)
     expert_dtype: str = "fp4"
     # Runtime numerics (not in the official files): the reference's QAT fake-quant of the
@@ -99,23 +101,38 @@ class ModelConfig:
     def compress_ratio(self, layer: int) -> int:
         return self.compress_ratios[layer]
 
+    @property
+    def is_v4(self) -> bool:
+        """DeepSeek-V4(-Flash): every compressed layer owns its compressor (CSA ratio 4 with
+        overlap and an indexer, HCA otherwise); per-head q norm; mHC `pre` used at its own site;
+        learned `hc_head`; hash-routed first layers."""
+        return self.model_type == "deepseek_v4"
+
     def kv_source(self, layer: int) -> int | None:
         """The KV-source layer whose compressed KV `layer` attends to (None: window only)."""
         if self.compress_ratios[layer] == 0:
             return None
+        if self.is_v4:
+            return layer
         sources = [s for s in self.kv_source_layer_ids if s <= layer]
         return max(sources) if sources else None
 
     def index_source(self, layer: int) -> int | None:
-        """The index-source layer whose top-k selection `layer` uses."""
+        """The index-source layer whose top-k selection `layer` uses (None: window only, or
+        V4's HCA, which attends to every visible compressed row)."""
         if self.compress_ratios[layer] == 0:
             return None
+        if self.is_v4:
+            return layer if self.compress_ratios[layer] == 4 else None
         sources = [s for s in self.index_source_layer_ids if s <= layer]
         return max(sources) if sources else None
 
     def layer_kind(self, layer: int) -> LayerKind:
+        """V4.1: swa | full | reuse | reindex. V4: swa | csa | hca."""
         if self.compress_ratios[layer] == 0:
             return "swa"
+        if self.is_v4:
+            return "csa" if self.compress_ratios[layer] == 4 else "hca"
         if layer in self.kv_source_layer_ids:
             return "full"
         if layer in self.index_source_layer_ids:
@@ -125,6 +142,12 @@ class ModelConfig:
     def uses_candidates(self, layer: int) -> bool:
         """Reindex layers after the candidate source score only inside its candidate pool."""
         return 0 <= self.candidate_source_layer_id < layer and layer in self.index_source_layer_ids
+
+    def owns_compressor(self, layer: int) -> bool:
+        return self.compress_ratios[layer] > 0 and (self.is_v4 or layer in self.kv_source_layer_ids)
+
+    def is_hash_layer(self, layer: int) -> bool:
+        return layer < self.num_hash_layers
 
     @property
     def decoder_start(self) -> int:
@@ -141,6 +164,10 @@ class ModelConfig:
         Per KV source: one FP4 main-KV entry (e2m1 values + one e4m3 scale per 16) and one FP4
         indexer key (e2m1 values + one ue8m0 scale per 32) every `ratio` tokens.
         """
+        if self.is_v4:
+            # the reference's bf16 rows: main KV on every compressed layer, indexer keys on CSA
+            return sum((2 * self.head_dim + (2 * self.index_head_dim if r == 4 else 0)) / r
+                       for r in self.compress_ratios[: self.num_hidden_layers] if r)
         kv_entry = self.head_dim // 2 + self.head_dim // 16
         idx_entry = self.index_head_dim // 2 + self.index_head_dim // 32
         return sum((kv_entry + idx_entry) / self.compress_ratios[s] for s in self.kv_source_layer_ids)
@@ -166,16 +193,24 @@ def _validate(c: ModelConfig) -> None:
         "candidate_topk_blocks engram_max_ngram_size engram_n_heads engram_head_dim"
     ).split()
     for key in positive:
-        if not isinstance(getattr(c, key), int) or getattr(c, key) <= 0:
+        value = getattr(c, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             _fail(key, f"must be a positive integer, got {getattr(c, key)!r}")
-    if c.model_type not in ("deepseek_v41",):
-        _fail("model_type", f"unsupported model type {c.model_type!r} (supported: deepseek_v41)")
+    if c.model_type not in MODEL_TYPES:
+        _fail("model_type", f"unsupported model type {c.model_type!r} (supported: {', '.join(MODEL_TYPES)})")
     n_total = c.num_hidden_layers + c.num_nextn_predict_layers
     if len(c.compress_ratios) != n_total:
         _fail(
             "compress_ratios",
             f"needs num_hidden_layers + num_nextn_predict_layers = {n_total} entries, got {len(c.compress_ratios)}",
         )
+    if not 0 <= c.num_hash_layers <= c.num_hidden_layers:
+        _fail("num_hash_layers", f"{c.num_hash_layers} is out of range [0, {c.num_hidden_layers}]")
+    if c.is_v4:
+        _validate_v4(c)
+        return
+    if c.num_hash_layers:
+        _fail("num_hash_layers", "DeepSeek-V4.1 has no hash-routed layers")
     for i, r in enumerate(c.compress_ratios):
         if r not in (0, 1, 2):
             _fail("compress_ratios", f"entry {i} is {r}; V4.1 uses ratios 0, 1 and 2")
@@ -234,6 +269,32 @@ def _validate(c: ModelConfig) -> None:
         _fail("weight_block_size", f"{list(c.weight_block_size)} must divide hidden_size ({c.hidden_size})")
 
 
+def _validate_v4(c: ModelConfig) -> None:
+    for i, r in enumerate(c.compress_ratios):
+        if r not in (0, 4) and r < 8:
+            _fail("compress_ratios", f"entry {i} is {r}; V4 uses 0 (window), 4 (CSA) or >= 8 (HCA, 128 in the release)")
+    for i in range(c.num_hidden_layers, len(c.compress_ratios)):
+        if c.compress_ratios[i]:
+            _fail("compress_ratios", f"entry {i} (an MTP block) must be 0")
+    for key in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
+        if getattr(c, key):
+            _fail(key, "DeepSeek-V4 has no shared KV sources or Engram layers; leave it empty")
+    if c.candidate_source_layer_id >= 0:
+        _fail("candidate_source_layer_id", "DeepSeek-V4 has no candidate pool; use -1")
+    if c.num_nextn_predict_layers > 1:
+        _fail("num_nextn_predict_layers", "DeepSeek-V4 ships one MTP block")
+    if c.head_dim % c.o_groups or (c.num_attention_heads % c.o_groups):
+        _fail("o_groups", f"{c.o_groups} must divide num_attention_heads ({c.num_attention_heads})")
+    if not 0 < c.qk_rope_head_dim <= min(c.head_dim, c.index_head_dim) or c.qk_rope_head_dim % 2:
+        _fail("qk_rope_head_dim", f"must be even and at most head_dim and index_head_dim, got {c.qk_rope_head_dim}")
+    if c.num_experts_per_tok > c.n_routed_experts:
+        _fail("num_experts_per_tok", f"{c.num_experts_per_tok} exceeds n_routed_experts ({c.n_routed_experts})")
+    if c.scoring_func != "sqrtsoftplus":
+        _fail("scoring_func", f"unsupported scoring function {c.scoring_func!r}")
+
+
+MODEL_TYPES = ("deepseek_v41", "deepseek_v4")
+
 # ---- presets ---------------------------------------------------------------------------
 
 DEEPSEEK_V41_FLASH = ModelConfig(name="deepseek-v4.1-flash")
@@ -279,7 +340,64 @@ TINY_V41 = ModelConfig(
     dtype="float32",
 )
 
-PRESETS: dict[str, ModelConfig] = {c.name: c for c in (DEEPSEEK_V41_FLASH, TINY_V41)}
+_V4_COMMON = dict(
+    model_type="deepseek_v4",
+    kv_source_layer_ids=(),
+    index_source_layer_ids=(),
+    candidate_source_layer_id=-1,
+    engram_layer_ids=(),
+    engram_num_embeddings=(),
+    dspark_target_layer_ids=(),
+    rms_norm_eps=1e-6,
+    weight_block_size=(128, 128),
+)
+
+# The April 2026 release: layers 0-1 window-only, then CSA (4) / HCA (128) alternating, one MTP.
+DEEPSEEK_V4_FLASH = ModelConfig(
+    name="deepseek-v4-flash",
+    hidden_size=4096,
+    num_hidden_layers=43,
+    num_nextn_predict_layers=1,
+    q_lora_rank=1024,
+    compress_ratios=(0, 0) + (4, 128) * 20 + (4, 0),
+    index_n_heads=64,
+    n_routed_experts=256,
+    moe_intermediate_size=2048,
+    num_hash_layers=3,
+    **_V4_COMMON,
+)
+
+# Every V4 mechanism at small widths with the real vocabulary: window-only layers, CSA with
+# overlapping windows, ape and its own indexer compressor, HCA (real ratio 128), two hash-routed
+# layers, per-head q norm, hc_head collapse, and the MTP block.
+TINY_V4 = ModelConfig(
+    name="tiny-v4",
+    hidden_size=128,
+    num_hidden_layers=6,
+    num_nextn_predict_layers=1,
+    num_attention_heads=4,
+    head_dim=128,
+    qk_rope_head_dim=32,
+    q_lora_rank=64,
+    o_groups=2,
+    o_lora_rank=32,
+    compress_ratios=(0, 0, 4, 128, 4, 128, 0),
+    index_n_heads=16,
+    index_head_dim=64,
+    index_topk=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    num_hash_layers=2,
+    max_position_embeddings=65536,
+    original_seq_len=4096,
+    dtype="float32",
+    **{**_V4_COMMON, "weight_block_size": (128, 128)},
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    c.name: c for c in (DEEPSEEK_V41_FLASH, TINY_V41, DEEPSEEK_V4_FLASH, TINY_V4)
+}
 
 
 # ---- readers ---------------------------------------------------------------------------
@@ -301,13 +419,13 @@ _FLAT_NAMES = {
     "route_scale": "routed_scaling_factor",
     "norm_eps": "rms_norm_eps",
     "engram_pad_id": "engram_pad_token_id",
+    "n_hash_layers": "num_hash_layers",
     "dspark_n_activated_experts": "dspark_num_experts_per_tok",
     "rope_factor": "rope_factor",
-    "max_seq_len": "max_position_embeddings",
 }
 # keys of the official files that carry no model math for a text-only engine
 _IGNORED = {
-    "architectures", "transformers_version", "torch_dtype", "use_cache", "initializer_range",
+    "architectures", "transformers_version", "use_cache", "max_seq_len", "initializer_range",
     "attention_bias", "attention_dropout", "mlp_bias", "hidden_act", "num_key_value_heads",
     "topk_method", "image_token_id", "vision_config", "quantization_config", "auto_map",
     "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "max_batch_size",
@@ -324,7 +442,7 @@ def _canonical(raw: dict[str, Any], source: str) -> dict[str, Any]:
     for key, value in raw.items():
         if key == "model_type":
             mt = str(value).removesuffix("_text")
-            if mt not in ("deepseek_v41",):
+            if mt not in MODEL_TYPES:
                 _fail("model_type", f"{source}: unsupported model type {value!r}")
             out["model_type"] = mt
             continue
@@ -344,6 +462,10 @@ def _canonical(raw: dict[str, Any], source: str) -> dict[str, Any]:
             if value not in ("fp8", "bf16", "float32", "bfloat16"):
                 _fail("dtype", f"{source}: unknown weight dtype {value!r}")
             continue
+        if key == "torch_dtype":  # HF: the activation dtype the checkpoint was written for
+            if value in ("float32", "bfloat16"):
+                out["dtype"] = value
+            continue
         if key in _IGNORED:
             continue
         name = _FLAT_NAMES.get(key, key)
@@ -359,7 +481,8 @@ def _canonical(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
 def config_from_dict(raw: dict[str, Any], *, source: str = "config", name: str = "custom") -> ModelConfig:
     """Build a config from an HF `config.json` dict (flat or `text_config`-nested) or a flat
-    `inference/config.json` dict; keys the dict lacks keep the release values."""
+    `inference/config.json` dict; keys the dict lacks keep the values of the release of the same
+    model type."""
     text = dict(raw.get("text_config", {}))
     top = {k: v for k, v in raw.items() if k != "text_config"}
     quant = top.get("quantization_config") or text.get("quantization_config") or {}
@@ -370,9 +493,19 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "config", name: str =
             values["weight_block_size"] = tuple(quant["weight_block_size"])
         if "expert_dtype" in quant:
             values["expert_dtype"] = quant["expert_dtype"]
+    model_type = values.get("model_type") or _infer_model_type(values)
+    base = DEEPSEEK_V4_FLASH if model_type == "deepseek_v4" else DEEPSEEK_V41_FLASH
+    values.update(model_type=model_type, name=name)
     values.setdefault("dtype", "bfloat16")
-    values["name"] = name
-    return ModelConfig(**values)
+    return dataclasses.replace(base, **values)
+
+
+def _infer_model_type(values: dict[str, Any]) -> str:
+    """The flat `inference/config.json` carries no model type: V4 has hash layers and ratios 4/128."""
+    ratios = values.get("compress_ratios", ())
+    if values.get("num_hash_layers") or any(r >= 4 for r in ratios):
+        return "deepseek_v4"
+    return "deepseek_v41"
 
 
 def load_config(name_or_path: str | os.PathLike, **overrides: Any) -> ModelConfig:
@@ -415,7 +548,8 @@ def to_hf_config(config: ModelConfig) -> dict[str, Any]:
         text.pop(k)
     text["model_type"] = config.model_type + "_text"
     return {
-        "architectures": ["DeepseekV41ForCausalLM"],
+        "architectures": ["DeepseekV4ForCausalLM" if config.is_v4 else "DeepseekV41ForCausalLM"],
+        "torch_dtype": config.dtype,
         "model_type": config.model_type,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,

@@ -1,7 +1,8 @@
 """Lightning indexer of CSA2 with the two-level (hierarchical) top-k of V4.1.
 
 Index keys are produced only by KV-source layers, from the compressor latent (`wk` + `k_norm`,
-RoPE at the group position, FP4 fake-quant). Every index-source layer scores its queries against
+RoPE at the group position, FP4 fake-quant); in V4 every CSA layer makes its own with a second
+compressor (`compressor.compress_full_v4`). Every index-source layer scores its queries against
 its source's keys: `s[t] = sum_h w_h * relu(q_h . k_t) / sqrt(d)`, invisible entries -inf. The
 candidate-source layer (20 in the release) also selects a pool of 8-entry blocks that later
 Reindex layers are restricted to.
@@ -12,17 +13,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer.model import quant
+from deepinfer.model import qat
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers import apply_rope, compress_inv_freq, linear, rms_norm
 
 
 def index_keys(p: dict, config: ModelConfig, latent: jax.Array, positions: jax.Array) -> jax.Array:
     k = rms_norm(linear(latent, p["wk"]), p["k_norm"], config.rms_norm_eps)
-    k = apply_rope(k, positions, compress_inv_freq(config))
-    if config.fake_quant:
-        k = quant.fake_quant_fp4(k, block=32, e4m3_scales=False)
-    return k
+    return qat.index_vector(apply_rope(k, positions, compress_inv_freq(config)), config)
 
 
 def index_scores(p: dict, config: ModelConfig, x: jax.Array, q_residual: jax.Array, positions: jax.Array,
@@ -32,9 +30,7 @@ def index_scores(p: dict, config: ModelConfig, x: jax.Array, q_residual: jax.Arr
     B, T, _ = x.shape
     nh, d = config.index_n_heads, config.index_head_dim
     q = linear(q_residual, p["wq_b"]).reshape(B, T, nh, d)
-    q = apply_rope(q, positions, compress_inv_freq(config))
-    if config.fake_quant:
-        q = quant.fake_quant_fp4(q, block=32, e4m3_scales=False)
+    q = qat.index_vector(apply_rope(q, positions, compress_inv_freq(config)), config)
     dots = jnp.einsum("bthd,brd->bthr", q.astype(jnp.float32), keys.astype(jnp.float32))
     dots = jax.nn.relu(dots) * d ** -0.5
     weights = linear(x, p["weights_proj"]).astype(jnp.float32) * nh ** -0.5
@@ -69,3 +65,10 @@ def select_topk(scores: jax.Array, k: int) -> jax.Array:
     k = min(k, scores.shape[-1])
     values, idx = jax.lax.top_k(scores, k)
     return jnp.where(values > -jnp.inf, idx, -1).astype(jnp.int32)
+
+
+def dense_selection(positions: jax.Array, n_rows: int, ratio: int) -> jax.Array:
+    """V4's HCA attends to every visible compressed row: indices `[B, T, n_rows]`, -1 where the
+    row is not visible yet."""
+    rows = jnp.arange(n_rows, dtype=jnp.int32)
+    return jnp.where(rows < ((positions + 1) // ratio)[..., None], rows, -1)

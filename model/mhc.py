@@ -28,9 +28,12 @@ def hc_mixes(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Arra
     logits = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mixes.shape[:-1], hc, hc)
     comb = jax.nn.softmax(logits, axis=-1) + hc_eps
     comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + hc_eps)
-        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
+
+    def sinkhorn_pass(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+
+    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, sinkhorn_pass, comb)
     return pre, post, comb
 
 

@@ -18,7 +18,8 @@ FORMAT_VERSION = 1
 
 
 def _quantized_storage(params: dict, config: ModelConfig) -> list[str]:
-    return sorted({s.storage for s in param_specs(config) if isinstance(tree_get(params, s.path), QuantWeight)})
+    return sorted({s.storage for s in param_specs(config, include_mtp="mtp" in params)
+                   if isinstance(tree_get(params, s.path), QuantWeight)})
 
 
 def save_orbax(params: dict, config: ModelConfig, directory: str | os.PathLike) -> None:
@@ -28,12 +29,14 @@ def save_orbax(params: dict, config: ModelConfig, directory: str | os.PathLike) 
     checkpointer.save(os.path.join(directory, "params"), params, force=True)
     checkpointer.wait_until_finished()
     marker = {"format_version": FORMAT_VERSION, "quantized": _quantized_storage(params, config),
+              "include_mtp": "mtp" in params,
               "config": to_hf_config(config)}
     with open(os.path.join(directory, MARKER), "w", encoding="utf-8") as f:
         json.dump(marker, f, indent=1)
 
 
-def restore_orbax(directory: str | os.PathLike, mesh=None, **config_overrides) -> tuple[ModelConfig, dict]:
+def restore_orbax(directory: str | os.PathLike, mesh=None, *, dequantize: bool = False,
+                  **config_overrides) -> tuple[ModelConfig, dict]:
     from deepinfer.model.checkpoint import CheckpointError, _default_mesh
     from deepinfer.sharding.rules import param_sharding
 
@@ -48,8 +51,9 @@ def restore_orbax(directory: str | os.PathLike, mesh=None, **config_overrides) -
 
         config = dataclasses.replace(config, **config_overrides)
     quantized = set(marker["quantized"])
+    include_mtp = bool(marker.get("include_mtp", False))
     mesh = _default_mesh(mesh)
-    abstract = abstract_params(config, quantized=bool(quantized))
+    abstract = abstract_params(config, quantized=bool(quantized), include_mtp=include_mtp)
 
     def target(spec):
         is_q = spec.storage in quantized and spec.storage in (FP8, FP8_ROWS, FP4)
@@ -63,7 +67,15 @@ def restore_orbax(directory: str | os.PathLike, mesh=None, **config_overrides) -
                                      sharding=sharding)
         return dense
 
-    params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), build_tree(config, target))
+    params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), build_tree(config, target, include_mtp))
+    if dequantize and quantized:
+        from deepinfer.model.layers import dequantize as dense_of
+        from deepinfer.model.params import dense_dtype
+
+        dense_shardings = build_tree(config, lambda s: param_sharding(s, mesh, config), include_mtp)
+        params = jax.jit(lambda p: build_tree(config, lambda s: dense_of(tree_get(p, s.path), dense_dtype(s, config)),
+                                              include_mtp),
+                         out_shardings=dense_shardings)(params)
     return config, params
 
 

@@ -29,6 +29,7 @@ FP8_ROWS = "fp8_rows"  # Engram tables: e4m3 rows with one e8m0 scale per 1x32 b
 FP4 = "fp4"  # routed experts: int8 [out, in/2] packed e2m1 (even k low nibble) + e8m0 scale per 1x32
 BF16 = "bf16"
 F32 = "f32"
+I64 = "i64"  # integer tables (V4's tid2eid); int32 in the params
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,12 @@ class QuantWeight:
     block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
 
 
-def _layer_specs(c: ModelConfig, i: int) -> list[ParamSpec]:
+def _block_specs(c: ModelConfig, p: str, layer: int) -> list[ParamSpec]:
+    """Norms, mHC and the attention core every block has (backbone layers and the MTP block)."""
     D, hd, H = c.hidden_size, c.head_dim, c.num_attention_heads
     hc = c.hc_mult
     mix = (2 + hc) * hc
-    p = f"layers.{i}."
-    specs = [
+    return [
         ParamSpec(p + "attn_norm", (D,), BF16, ("embed",), "ones"),
         ParamSpec(p + "ffn_norm", (D,), BF16, ("embed",), "ones"),
         ParamSpec(p + "hc_attn_fn", (mix, hc * D), F32, (None, "hc_embed"), "small", False),
@@ -87,7 +88,36 @@ def _layer_specs(c: ModelConfig, i: int) -> list[ParamSpec]:
         ParamSpec(p + "attn.wo_b", (D, c.o_groups * c.o_lora_rank), FP8, ("embed", "o_lora")),
         ParamSpec(p + "attn.attn_sink", (H,), F32, ("heads_only",), "sink", False),
     ]
-    if i in c.kv_source_layer_ids:
+
+
+def _v4_compressor_specs(c: ModelConfig, p: str, ratio: int, width: int) -> list[ParamSpec]:
+    """A V4 compressor (main at head_dim, indexer at index_head_dim): CSA (ratio 4) projects two
+    halves per token for its overlapping windows; `ape` is a per-slot score bias."""
+    halves = 2 if ratio == 4 else 1
+    return [
+        ParamSpec(p + "wkv", (halves * width, c.hidden_size), BF16, (None, "embed")),
+        ParamSpec(p + "wgate", (halves * width, c.hidden_size), BF16, (None, "embed")),
+        ParamSpec(p + "ape", (ratio, halves * width), F32, (None, None), "sink", False),
+        ParamSpec(p + "norm", (width,), BF16, (None,), "ones"),
+    ]
+
+
+def _layer_specs(c: ModelConfig, i: int) -> list[ParamSpec]:
+    D, hd = c.hidden_size, c.head_dim
+    hc = c.hc_mult
+    p = f"layers.{i}."
+    specs = _block_specs(c, p, i)
+    ratio = c.compress_ratios[i]
+    if c.is_v4 and ratio:
+        specs += _v4_compressor_specs(c, p + "attn.compressor.", ratio, hd)
+        if ratio == 4:
+            specs += [
+                ParamSpec(p + "attn.indexer.wq_b", (c.index_n_heads * c.index_head_dim, c.q_lora_rank), FP8,
+                          (None, "q_lora")),
+                ParamSpec(p + "attn.indexer.weights_proj", (c.index_n_heads, D), BF16, (None, "embed")),
+            ]
+            specs += _v4_compressor_specs(c, p + "attn.indexer.compressor.", ratio, c.index_head_dim)
+    if not c.is_v4 and i in c.kv_source_layer_ids:
         specs += [
             ParamSpec(p + "attn.compressor.wkv", (hd, D), BF16, ("kv", "embed")),
             ParamSpec(p + "attn.compressor.norm", (hd,), BF16, ("kv",), "ones"),
@@ -96,14 +126,14 @@ def _layer_specs(c: ModelConfig, i: int) -> list[ParamSpec]:
         ]
         if c.compress_ratios[i] > 1:
             specs.append(ParamSpec(p + "attn.compressor.wgate", (hd, D), BF16, ("kv", "embed")))
-    if i in c.index_source_layer_ids:
+    if not c.is_v4 and i in c.index_source_layer_ids:
         specs += [
             ParamSpec(
                 p + "attn.indexer.wq_b", (c.index_n_heads * c.index_head_dim, c.q_lora_rank), FP8, (None, "q_lora")
             ),
             ParamSpec(p + "attn.indexer.weights_proj", (c.index_n_heads, D), BF16, (None, "embed")),
         ]
-    specs += _moe_specs(c, p + "ffn.", c.n_routed_experts)
+    specs += _moe_specs(c, p + "ffn.", c.n_routed_experts, hash_routed=c.is_hash_layer(i))
     if i in c.engram_layer_ids:
         k = c.engram_layer_ids.index(i)
         cols = c.n_hash_columns * c.engram_head_dim
@@ -116,13 +146,49 @@ def _layer_specs(c: ModelConfig, i: int) -> list[ParamSpec]:
     return specs
 
 
-def _moe_specs(c: ModelConfig, p: str, n_experts: int) -> list[ParamSpec]:
+def _hc_head_specs(c: ModelConfig, p: str) -> list[ParamSpec]:
+    """V4's learned final collapse of the streams (no Sinkhorn, no post)."""
+    hc = c.hc_mult
+    return [
+        ParamSpec(p + "hc_head_fn", (hc, hc * c.hidden_size), F32, (None, "hc_embed"), "small", False),
+        ParamSpec(p + "hc_head_base", (hc,), F32, (None,), "small", False),
+        ParamSpec(p + "hc_head_scale", (1,), F32, (None,), "ones", False),
+    ]
+
+
+def mtp_specs(c: ModelConfig) -> list[ParamSpec]:
+    """V4's MTP block `mtp.0`: a window-only layer with a biased (non-hash) router, plus the
+    projections that join the next token's embedding with the main model's streams."""
+    D = c.hidden_size
+    specs: list[ParamSpec] = []
+    for k in range(c.num_nextn_predict_layers if c.is_v4 else 0):
+        p = f"mtp.{k}."
+        specs += _block_specs(c, p, c.num_hidden_layers + k)
+        specs += _moe_specs(c, p + "ffn.", c.n_routed_experts, hash_routed=False)
+        specs += [
+            ParamSpec(p + "e_proj", (D, D), FP8, ("embed", None)),
+            ParamSpec(p + "h_proj", (D, D), FP8, ("embed", None)),
+            ParamSpec(p + "enorm", (D,), BF16, ("embed",), "ones"),
+            ParamSpec(p + "hnorm", (D,), BF16, ("embed",), "ones"),
+            ParamSpec(p + "norm", (D,), BF16, ("embed",), "ones"),
+        ]
+        specs += _hc_head_specs(c, p)
+    return specs
+
+
+def _moe_specs(c: ModelConfig, p: str, n_experts: int, hash_routed: bool = False) -> list[ParamSpec]:
     D, F = c.hidden_size, c.moe_intermediate_size
     expert_storage = FP4 if c.expert_dtype == "fp4" else FP8
-    specs = [
-        ParamSpec(p + "gate", (n_experts, D), BF16, ("experts_only", "embed")),
-        ParamSpec(p + "gate.bias", (n_experts,), F32, ("experts_only",), "small", False),
-        ParamSpec(p + "gate.bias_vl", (n_experts,), F32, ("experts_only",), "small", False),
+    specs = [ParamSpec(p + "gate", (n_experts, D), BF16, ("experts_only", "embed"))]
+    if hash_routed:
+        # token id -> expert ids (I64 on disk, int32 in the params: ids < 2^31)
+        specs.append(ParamSpec(p + "gate.tid2eid", (c.vocab_size, c.num_experts_per_tok), I64, ("vocab_only", None),
+                               "expert_ids", False))
+    else:
+        specs.append(ParamSpec(p + "gate.bias", (n_experts,), F32, ("experts_only",), "small", False))
+    if not c.is_v4:
+        specs.append(ParamSpec(p + "gate.bias_vl", (n_experts,), F32, ("experts_only",), "small", False))
+    specs += [
         ParamSpec(p + "experts.w1", (n_experts, F, D), expert_storage, ("experts", "ffw", "embed"), experts=n_experts),
         ParamSpec(p + "experts.w3", (n_experts, F, D), expert_storage, ("experts", "ffw", "embed"), experts=n_experts),
         ParamSpec(p + "experts.w2", (n_experts, D, F), expert_storage, ("experts", "embed", "ffw"), experts=n_experts),
@@ -136,17 +202,21 @@ def _moe_specs(c: ModelConfig, p: str, n_experts: int) -> list[ParamSpec]:
     return specs
 
 
-def param_specs(config: ModelConfig) -> list[ParamSpec]:
-    """Every backbone tensor of the official checkpoint (text model; DSpark `mtp.*` and vision
-    tensors are not part of the forward pass and are not listed)."""
+def param_specs(config: ModelConfig, include_mtp: bool = True) -> list[ParamSpec]:
+    """Every tensor of the official checkpoint that the model uses: the text backbone and, for
+    V4, the MTP block (V4.1's DSpark `mtp.*` and vision tensors are not listed yet)."""
     c = config
     specs = [
         ParamSpec("embed", (c.vocab_size, c.hidden_size), BF16, ("vocab", "embed"), "normal"),
         ParamSpec("head", (c.vocab_size, c.hidden_size), BF16, ("vocab", "embed"), "normal"),
         ParamSpec("norm", (c.hidden_size,), BF16, ("embed",), "ones"),
     ]
+    if c.is_v4:
+        specs += _hc_head_specs(c, "")
     for i in range(c.num_hidden_layers):
         specs += _layer_specs(c, i)
+    if include_mtp:
+        specs += mtp_specs(c)
     return specs
 
 
@@ -173,10 +243,10 @@ def _tree_set(tree: dict, path: tuple[str | int, ...], value: Any) -> None:
     node[path[-1]] = value
 
 
-def build_tree(config: ModelConfig, leaf_fn) -> dict:
-    """A params tree with `leaf_fn(spec)` at each spec's path (lists become tuples-free dicts)."""
+def build_tree(config: ModelConfig, leaf_fn, include_mtp: bool = True) -> dict:
+    """A params tree with `leaf_fn(spec)` at each spec's path."""
     tree: dict = {}
-    for spec in param_specs(config):
+    for spec in param_specs(config, include_mtp):
         _tree_set(tree, spec.path, leaf_fn(spec))
     return tree
 
@@ -191,7 +261,9 @@ def compute_dtype(config: ModelConfig):
 
 
 def dense_dtype(spec: ParamSpec, config: ModelConfig):
-    """The dtype a dense (dequantized) leaf is kept in: f32 tensors stay f32."""
+    """The dtype a dense (dequantized) leaf is kept in: f32 tensors stay f32, id tables int32."""
+    if spec.storage == I64:
+        return jnp.int32
     return jnp.float32 if spec.storage == F32 else compute_dtype(config)
 
 
@@ -205,6 +277,7 @@ def _init_value(spec: ParamSpec, rng: np.random.Generator) -> np.ndarray:
         return rng.standard_normal(shape)
     if spec.init == "small":
         return 0.1 * rng.standard_normal(shape)
+
     fan_in = shape[-1]
     return rng.standard_normal(shape) / np.sqrt(fan_in)
 
@@ -214,20 +287,23 @@ def init_params(config: ModelConfig, seed: int = 0) -> dict:
     tiny presets and benchmarks. Values are O(1)-scaled so every mechanism is exercised."""
     def leaf(spec: ParamSpec):
         rng = np.random.default_rng(np.random.SeedSequence([seed, *spec.name.encode()]))
+        if spec.init == "expert_ids":  # distinct expert ids per token, as in the release
+            order = np.argsort(rng.random((spec.shape[0], config.n_routed_experts)), axis=1)
+            return jnp.asarray(order[:, : spec.shape[1]], dtype=jnp.int32)
         value = _init_value(spec, rng).astype(np.float32)
         return jnp.asarray(value, dtype=dense_dtype(spec, config))
 
     return build_tree(config, leaf)
 
 
-def abstract_params(config: ModelConfig, quantized: bool = False) -> dict:
+def abstract_params(config: ModelConfig, quantized: bool = False, include_mtp: bool = True) -> dict:
     """Shape/dtype tree without allocating (dense or checkpoint-quantized form)."""
     def leaf(spec: ParamSpec):
         if quantized and spec.storage in (FP8, FP8_ROWS, FP4):
             return abstract_quant(spec, config)
         return jax.ShapeDtypeStruct(spec.shape, dense_dtype(spec, config))
 
-    return build_tree(config, leaf)
+    return build_tree(config, leaf, include_mtp)
 
 
 def quant_block(spec: ParamSpec, config: ModelConfig) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["CheckpointFormatError", "SafetensorsFile", "write_safetensors", "DTYPES"]
+__all__ = ["CheckpointError", "CheckpointFormatError", "SafetensorsFile", "write_safetensors", "DTYPES"]
 
 # safetensors dtype string -> numpy dtype (all little-endian).
 DTYPES: dict[str, np.dtype] = {
@@ -61,7 +61,11 @@ _MAX_HEADER_BYTES = 100_000_000
 _METADATA_KEY = "__metadata__"
 
 
-class CheckpointFormatError(ValueError):
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the tensor and the file."""
+
+
+class CheckpointFormatError(CheckpointError):
     """A safetensors file is malformed; the message names the file and, if any, the tensor."""
 
     def __init__(self, path: str | os.PathLike, message: str, tensor: str | None = None):

@@ -339,8 +339,10 @@ def test_fp4_expert_bytes_decode_to_the_written_values(ckpt, params):
     # even k from the low nibble
     low = quant.E2M1_VALUES[codes & 0xF] * quant.e8m0_to_float32(s, np)[:, np.arange(0, w.shape[1], 2) // 32]
     np.testing.assert_array_equal(deq[:, 0::2], low)
-    # FP4 is coarse: the relative error per 32-block is bounded by half a step at the top of the range
-    assert np.max(np.abs(deq - w)) <= np.max(np.abs(w)) / 6 + 1e-6
+    # per 32-block: scale < 2 * amax / 6 and the widest e2m1 gap is 2, so |error| < amax / 3
+    amax = np.abs(w).reshape(w.shape[0], -1, 32).max(-1)
+    err = np.abs(deq - w).reshape(w.shape[0], -1, 32).max(-1)
+    assert np.all(err < amax / 3)
 
 
 # ---- reading: values and logits ----------------------------------------------------------
@@ -461,7 +463,7 @@ def test_wrong_dtype(broken, name, replacement, found):
 
 @pytest.mark.parametrize("name,shape", [
     ("layers.2.attn.wq_a.scale", (2, 3)),
-    ("layers.0.ffn.experts.3.w1.weight", (F, D)),  # unpacked: twice as many columns... as bytes
+    ("layers.0.ffn.experts.3.w1.weight", (F, D)),  # one byte per value instead of two nibbles
     ("layers.5.attn.indexer.wk.weight", (HD, CFG.index_head_dim)),  # transposed
     ("norm.weight", (D, 1)),
 ])
@@ -478,7 +480,10 @@ def test_wrong_shape(broken, name, shape):
 
 def test_truncated_shard(broken):
     path = shard_of(broken, "layers.4.attn.wq_a.weight")
-    last = max(SafetensorsFile(path).names, key=lambda n: SafetensorsFile(path)._entries[n][3])
+    with open(path, "rb") as f:  # the tensor stored last, read from the raw header
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header.pop("__metadata__", None)
+    last = max(header, key=lambda n: header[n]["data_offsets"][1])
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
         f.truncate(size - 7)
@@ -590,7 +595,9 @@ def test_orbax_restore_on_other_mesh_leaves(orbax_dir, loaded_q):
 @pytest.mark.slow
 def test_orbax_restore_on_other_mesh_logits(orbax_dir, logits_q):
     _, p = load_checkpoint(orbax_dir, make_mesh("dp=2,cp=2,tp=2"), **OVERRIDES)
-    np.testing.assert_allclose(run(p), logits_q, rtol=1e-5, atol=1e-5)
+    # experts now split 8 ways: the fp32 sum over experts runs in another order (see test_sharding)
+    out = run(p)
+    assert float(np.abs(out - logits_q).max()) <= 1e-5 * max(1.0, float(np.abs(logits_q).max()))
 
 
 def test_orbax_marker_records_quantized_storage(orbax_dir):
@@ -598,3 +605,15 @@ def test_orbax_marker_records_quantized_storage(orbax_dir):
         marker = json.load(f)
     assert set(marker["quantized"]) == {FP8, FP8_ROWS, FP4}
     assert marker["config"]["text_config"]["n_routed_experts"] == CFG.n_routed_experts
+
+
+def test_orbax_restore_dequantized(orbax_dir, loaded_dq):
+    """`dequantize=True` is honoured for orbax checkpoints too: dense leaves, dense shardings,
+    and the same values as the dequantized load of the official checkpoint."""
+    mesh = make_mesh("dp=2,cp=2,tp=2")
+    _, p = load_checkpoint(orbax_dir, mesh, dequantize=True, **OVERRIDES)
+    for spec in param_specs(CFG):
+        leaf = tree_get(p, spec.path)
+        assert not isinstance(leaf, QuantWeight), spec.name
+        assert leaf.sharding.is_equivalent_to(param_sharding(spec, mesh, CFG), leaf.ndim), spec.name
+    leaves_equal(p, loaded_dq)

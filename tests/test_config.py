@@ -394,12 +394,19 @@ def test_load_config_overrides(tmp_path):
 def test_to_hf_config_round_trip(preset):
     cfg = PRESETS[preset]
     hf = json.loads(json.dumps(to_hf_config(cfg)))  # through real JSON: lists, not tuples
-    assert hf["model_type"] == "deepseek_v41"
-    assert hf["text_config"]["model_type"] == "deepseek_v41_text"
+    assert hf["model_type"] == cfg.model_type
+    assert hf["text_config"]["model_type"] == cfg.model_type + "_text"
     assert hf["quantization_config"]["weight_block_size"] == list(cfg.weight_block_size)
     back = config_from_dict(hf, name=cfg.name)
     # the activation dtype is a runtime choice and is not written
     assert dataclasses.replace(back, dtype=cfg.dtype) == cfg
+
+
+def test_flash_preset_config_json_names():
+    hf = to_hf_config(load_config(FLASH))
+    assert hf["architectures"] == ["DeepseekV41ForCausalLM"]
+    assert hf["model_type"] == "deepseek_v41" and hf["text_config"]["model_type"] == "deepseek_v41_text"
+    assert hf["quantization_config"]["scale_fmt"] == "ue8m0"
 
 
 def test_to_hf_config_round_trip_of_modified_config():
@@ -494,7 +501,7 @@ def test_non_positive_sizes(key, value):
 
 def test_unsupported_model_type_and_rope_scaling():
     with pytest.raises(ConfigError, match="model_type"):
-        config_from_dict({"model_type": "deepseek_v4"})
+        config_from_dict({"model_type": "deepseek_v3"})
     with pytest.raises(ConfigError, match="rope_scaling"):
         config_from_dict({"rope_scaling": {"type": "linear", "factor": 2}})
 

@@ -41,12 +41,16 @@ def test_forward_matches_float64_reference(tiny, token_map):
 
 
 def test_forward_matches_reference_with_fake_quant(tiny, token_map):
+    """QAT fake-quant on. A value that fp32 and fp64 put on different sides of an FP8/FP4 rounding
+    midpoint moves every later logit (spec §7.1; e.g. one e4m3 value of layer 0 at position 127 of
+    a 301-token prompt), so the whole-model check uses a prompt short enough to hold no such
+    flip; the quantizers themselves are compared bit-exactly in tests/test_components.py."""
     config, params, weights = tiny
     config = dataclasses.replace(config, fake_quant=True)
-    ids = _prompt(200, seed=12)
+    ids = _prompt(64, seed=12)
     ours = np.asarray(forward(params, config, ids), np.float64)
     ref = reference_forward(weights, config, ids, fake_quant=True, token_map=token_map)
-    rel = np.abs(ours - ref) / np.abs(ref).max()
-    # rounding flips of FP4/FP8 grid points between fp32 and fp64 move a few logits (spec §7.1)
-    assert np.median(rel) <= 1e-4, np.median(rel)
-    assert rel.max() <= 1e-2, rel.max()
+    rel = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert rel <= 1e-3, f"{rel}: a rounding flip between fp32 and fp64, or a fake-quant mismatch"
+    unquantized = np.asarray(forward(params, dataclasses.replace(config, fake_quant=False), ids), np.float64)
+    assert np.abs(unquantized - ref).max() > 100 * np.abs(ours - ref).max()  # the switch matters

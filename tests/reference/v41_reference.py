@@ -798,3 +798,86 @@ def random_weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
             W[g + "q_weight"] = norm(hc * D).reshape(hc, D)
             W[g + "k_weight"] = norm(hc * D).reshape(hc, D)
     return W
+
+
+# ---------------------------------------------------------------------------------------------
+# public entry points to single components (thin wrappers for component tests; no extra math)
+# ---------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    return _rms_norm(np.asarray(x, dtype=F64), None if weight is None else np.asarray(weight, dtype=F64), eps)
+
+
+def hc_collapse(streams: np.ndarray, pre: np.ndarray) -> np.ndarray:
+    return _hc_collapse(np.asarray(streams, dtype=F64), np.asarray(pre, dtype=F64))
+
+
+def hc_expand(y: np.ndarray, streams: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    return _hc_expand(*(np.asarray(a, dtype=F64) for a in (y, streams, post, comb)))
+
+
+def attention_with_sink(q: np.ndarray, keys: np.ndarray, visible: np.ndarray, sink: np.ndarray,
+                        scale: float) -> np.ndarray:
+    return _attention_with_sink(np.asarray(q, dtype=F64), np.asarray(keys, dtype=F64), np.asarray(visible, bool),
+                                np.asarray(sink, dtype=F64), scale)
+
+
+def indexer_scores(cfg: Any, weights: dict, layer: int, x: np.ndarray, qr: np.ndarray, positions: np.ndarray,
+                   entries: np.ndarray, index_keys: np.ndarray, ratio: int, *, fake_quant: bool = False) -> np.ndarray:
+    """`_indexer_scores` of `layer` against a source's (entries, index_keys) of compress `ratio`."""
+    W = {k: np.asarray(v, dtype=F64) for k, v in weights.items()}
+    src = _SourceKV(ratio=ratio, entries=np.asarray(entries, dtype=F64), index_keys=np.asarray(index_keys, dtype=F64))
+    return _indexer_scores(cfg, W, f"layers.{layer}.", np.asarray(x, dtype=F64), np.asarray(qr, dtype=F64),
+                           np.asarray(positions), _layer_inv_freq(cfg, layer), src, fake_quant)
+
+
+def select_candidate_blocks(scores: np.ndarray, visible_len: np.ndarray, n_blocks_keep: int, block: int) -> np.ndarray:
+    return _select_candidate_blocks(np.asarray(scores, dtype=F64), np.asarray(visible_len), n_blocks_keep, block)
+
+
+def select_topk(scores: np.ndarray, k: int) -> np.ndarray:
+    return _select_topk(np.asarray(scores, dtype=F64), k)
+
+
+def layer_inv_freq(cfg: Any, layer: int) -> np.ndarray:
+    return _layer_inv_freq(cfg, layer)
+
+
+def swiglu_expert(x: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray, limit: float,
+                  route_w: np.ndarray | None = None) -> np.ndarray:
+    return _swiglu_expert(*(np.asarray(a, dtype=F64) for a in (x, w1, w2, w3)), limit,
+                          None if route_w is None else np.asarray(route_w, dtype=F64))
+
+
+def moe_layer(cfg: Any, weights: dict, layer: int, x: np.ndarray) -> np.ndarray:
+    """The MoE FFN of `layer` on [T, D] (text tokens)."""
+    W = {k: np.asarray(v, dtype=F64) for k, v in weights.items()}
+    return _moe(cfg, W, layer, np.asarray(x, dtype=F64))
+
+
+def engram_apply(cfg: Any, weights: dict, layer: int, streams: np.ndarray, row_ids: np.ndarray) -> np.ndarray:
+    """The Engram update of `layer` on streams [T, hc, D] with table rows [T, n_cols]."""
+    W = {k: np.asarray(v, dtype=F64) for k, v in weights.items()}
+    return _engram(cfg, W, layer, np.asarray(streams, dtype=F64), np.asarray(row_ids))
+
+
+def attention_sublayers(cfg: Any, weights: dict, attn_inputs: dict, layers, *, fake_quant: bool = False,
+                        trace: dict | None = None) -> dict:
+    """Run `_attention_layer` for `layers` (ascending) on the given attn-normed inputs [T, D], sharing
+    one publish state as the forward does; returns {layer: attention output [T, D]}."""
+    W = {k: np.asarray(v, dtype=F64) for k, v in weights.items()}
+    state: dict = {"kv": {}, "selection": {}, "candidates": None}
+    out = {}
+    for layer in layers:
+        x = np.asarray(attn_inputs[layer], dtype=F64)
+        out[layer] = _attention_layer(cfg, W, layer, x, np.arange(x.shape[0]), state, fake_quant, trace)
+    return out
+
+
+def forward_trace(weights: dict, cfg, token_ids: np.ndarray, *, fake_quant: bool = False,
+                  token_map: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+    """`reference_forward` plus the internals trace of `_forward_impl`."""
+    trace: dict = {}
+    logits = _forward_impl(weights, cfg, token_ids, fake_quant=fake_quant, token_map=token_map, trace=trace)
+    return logits, trace
