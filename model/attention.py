@@ -23,17 +23,26 @@ from deepinfer.model.layers import apply_rope, compress_inv_freq, dequantize, la
 from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
 
-def query_and_window_kv(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array):
-    """q `[B, T, H, hd]` (rotated), q_residual `[B, T, q_lora]`, window kv `[B, T, hd]`."""
+def query(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array):
+    """q `[B, T, H, hd]` (rotated) and q_residual `[B, T, q_lora]` (the indexer's input)."""
     B, T, _ = x.shape
-    inv_freq = layer_inv_freq(config, layer)
     q_residual = rms_norm(linear(x, p["wq_a"]), p["q_norm"], config.rms_norm_eps)
     q = linear(q_residual, p["wq_b"]).reshape(B, T, config.num_attention_heads, config.head_dim)
     if config.is_v4:  # V4 normalizes each head (no weight); V4.1 does not
         q = rms_norm(q, None, config.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
+    return apply_rope(q, positions, layer_inv_freq(config, layer)), q_residual
+
+
+def window_kv_unquantized(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array):
+    """The layer's window KV `[B, T, hd]` before the QAT fake-quant (what packed caches encode)."""
     kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], config.rms_norm_eps)
-    kv = qat.window_kv(apply_rope(kv, positions, inv_freq), config)
+    return apply_rope(kv, positions, layer_inv_freq(config, layer))
+
+
+def query_and_window_kv(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array):
+    """q `[B, T, H, hd]` (rotated), q_residual `[B, T, q_lora]`, window kv `[B, T, hd]`."""
+    q, q_residual = query(p, config, layer, x, positions)
+    kv = qat.window_kv(window_kv_unquantized(p, config, layer, x, positions), config)
     return q, q_residual, kv
 
 

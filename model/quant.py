@@ -445,3 +445,35 @@ def pack_fp4_index(x, block: int = INDEX_FP4_BLOCK):
 def unpack_fp4_index(codes, scales, block: int = INDEX_FP4_BLOCK):
     """Decode an indexer-key record to float32 ``[..., 2 * codes.shape[-1]]``."""
     return _unpack_fp4(codes, scales, block, False)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 window-KV records (device)
+# ----------------------------------------------------------------------------------------------
+
+
+def pack_fp8_blocks(x, block: int = 32):
+    """Window-KV record: ``x [..., d]`` -> (float8_e4m3fn [..., d], float8_e8m0fnu [..., d/block]).
+    For d = 512: 512 + 16 = 528 bytes. ``unpack_fp8_blocks(*pack_fp8_blocks(x)) ==
+    fake_quant_fp8(x, block)`` bit for bit (same amax floor, scale rounding and clamp)."""
+    x = jnp.asarray(x)
+    if x.shape[-1] % block:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the FP8 block {block}")
+    return _pack_fp8_jit(x, block)
+
+
+@partial(jax.jit, static_argnums=1)
+def _pack_fp8_jit(x, block):
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), _FP8_AMAX_FLOOR)
+    k = pow2_ceil_exponent(amax * _INV_FP8_MAX, jnp)
+    q = jnp.clip(blocks / exp2_int(k, jnp)[..., None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.astype(jnp.float8_e4m3fn).reshape(x.shape), _e8m0_from_exponent(k, jnp)
+
+
+def unpack_fp8_blocks(q, scale):
+    """Decode a `pack_fp8_blocks` record to float32."""
+    q, scale = jnp.asarray(q), jnp.asarray(scale)
+    block = q.shape[-1] // scale.shape[-1]
+    values = q.astype(jnp.float32).reshape(*q.shape[:-1], scale.shape[-1], block)
+    return (values * e8m0_to_float32(scale, jnp)[..., None]).reshape(q.shape)

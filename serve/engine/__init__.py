@@ -1,0 +1,1 @@
+"""The serving engine: batch state, scheduling and sampling around the model forward."""

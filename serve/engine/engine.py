@@ -1,0 +1,257 @@
+"""The offline engine: requests in, `RequestOutput`s out, one `step()` at a time.
+
+A step asks the scheduler for work, runs the prefill chunk(s) and the decode batch on the
+device, samples the rows that reached the end of their input, and applies the stop rules
+(EOS unless `ignore_eos`, `stop_token_ids`, stop strings across token boundaries, `max_tokens`,
+`min_tokens`, the context limit). Everything here is host-side Python; the device work is the
+runner's and the sampler's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from deepinfer.model.config import ModelConfig
+from deepinfer.pallas_kernels.registry import KernelConfig
+from deepinfer.serve.api.types import Logprob, RequestOutput, SamplingParams
+from deepinfer.serve.engine import sampler
+from deepinfer.serve.engine.cache import AdmissionError, CacheBudget, CacheManager, make_layout
+from deepinfer.serve.engine.request import Request, Status
+from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, token_bucket
+from deepinfer.serve.engine.scheduler import Scheduler
+from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
+from deepinfer.serve.text.stops import StopChecker
+
+log = logging.getLogger("deepinfer.engine")
+MAX_LOGPROBS = 20
+_SUPPRESS = -1e9  # logit bias that keeps EOS/stop tokens out until min_tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    budget: CacheBudget = CacheBudget()
+    prefill_chunk: int = 512
+    prefill_rows: int = 1
+    seed: int = 0
+    kernels: KernelConfig | None = None
+    # "compact" (DeepInfer's default): decoder layers run only on each prompt's last
+    # `keep_tokens` rows (model-v4.1-flash.md §4.3); "full": every layer on every row
+    prefill_mode: str = "compact"
+    keep_tokens: int = 140
+
+    def __post_init__(self):
+        if self.prefill_mode not in ("full", "compact"):
+            raise ValueError(f"prefill_mode must be 'full' or 'compact', got {self.prefill_mode!r}")
+        if self.keep_tokens < 1:
+            raise ValueError(f"keep_tokens must be positive, got {self.keep_tokens}")
+
+
+@dataclass(frozen=True)
+class _RowParams:
+    """SamplingParams plus the engine's own logit bias (min_tokens suppression)."""
+
+    base: SamplingParams
+    logit_bias: dict | None
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+class LLMEngine:
+    def __init__(self, params: dict, config: ModelConfig, tokenizer, engine_config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.engine_config = engine_config
+        if engine_config.prefill_mode == "compact" and engine_config.keep_tokens < config.sliding_window:
+            raise ValueError(f"keep_tokens ({engine_config.keep_tokens}) must cover the sliding window "
+                             f"({config.sliding_window})")
+        layout = make_layout(config, engine_config.budget)
+        self.cache = CacheManager(config, layout)
+        self.runner = ModelRunner(params, config, layout, engine_config.kernels)
+        self.scheduler = Scheduler(self.cache, prefill_chunk=engine_config.prefill_chunk,
+                                   prefill_rows=engine_config.prefill_rows)
+        self.requests: dict[str, Request] = {}
+        self._order = itertools.count()
+        self._rng = jax.random.key(engine_config.seed)
+        self._step_count = 0
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    prompt: str | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = [int(t) for t in prompt_token_ids]
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise ValueError(f"logprobs: at most {MAX_LOGPROBS} alternatives are supported, got {params.logprobs}")
+        self.cache.check_admissible(len(ids), self.cache.layout.max_len)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize else None
+        request = Request(request_id, prompt, ids, params, detok,
+                          StopChecker(params.stop, params.include_stop_str_in_output), next(self._order))
+        request.logprobs = [] if params.logprobs is not None else None
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None or request.finished:
+            return None
+        self.scheduler.abort(request)
+        request.status, request.finish_reason = Status.FINISHED, "abort"
+        request.metrics.finished_time = time.time()
+        return request.to_output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        now = time.time()
+        for request in plan.admitted:
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            compact = self.engine_config.prefill_mode == "compact"
+            request.floor = max(0, request.length - self.engine_config.keep_tokens) if compact else 0
+        self.runner.reset([r.slot for r in plan.admitted])
+        finished: list[Request] = []
+        to_sample: list[tuple[Request, np.ndarray]] = []
+        for decoder in (False, True):  # chunks wholly below the replay floor run encoder-only
+            group = [(r, n) for r, n in plan.prefill if (r.computed + n > r.floor) == decoder]
+            if not group:
+                continue
+            work = [ChunkWork(r.slot, np.asarray(r.all_ids[r.computed:r.computed + n], np.int32), r.computed,
+                              np.asarray(r.all_ids[:r.computed], np.int32), r.floor) for r, n in group]
+            rows = 1 << (len(work) - 1).bit_length()
+            logits = self.runner.run(work, self.cache.page_table, rows=rows, decoder=decoder,
+                                     tokens=token_bucket(max(len(w.tokens) for w in work)))
+            for i, (request, n) in enumerate(group):
+                request.computed += n
+                self.stats["prompt_tokens"] += n
+                if request.to_feed == 0:
+                    to_sample.append((request, logits[i]))
+        if plan.decode:
+            work = [ChunkWork(r.slot, np.asarray(r.all_ids[-1:], np.int32), r.length - 1,
+                              np.asarray(r.all_ids[:-1], np.int32), r.floor) for r in plan.decode]
+            logits = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.num_slots, tokens=1)
+            for request, row in zip(plan.decode, logits):
+                request.computed += 1
+                to_sample.append((request, row))
+        if to_sample:
+            self._sample(to_sample, finished)
+        self._finish_stuck(plan, finished)
+        self._step_count += 1
+        self.stats["steps"] += 1
+        outputs = []
+        for request in finished:
+            self.scheduler.finish(request)
+            request.metrics.finished_time = time.time()
+            outputs.append(request.to_output())
+            self.requests.pop(request.request_id, None)
+        return outputs
+
+    def _finish_stuck(self, plan, finished: list[Request]) -> None:
+        """A lone running request that cannot get another page ends with "length"."""
+        if plan.prefill or plan.decode:
+            return
+        for request in list(self.scheduler.running):
+            if request.to_feed == 1 and request not in finished:
+                request.finish_reason = "length"
+                request.status = Status.FINISHED
+                self._flush_text(request)
+                finished.append(request)
+
+    # ---- sampling and stop rules -------------------------------------------------------
+    def _row_params(self, request: Request) -> _RowParams:
+        params = request.params
+        bias = dict(params.logit_bias or {})
+        if len(request.output_ids) < params.min_tokens:
+            banned = list(params.stop_token_ids or [])
+            if not params.ignore_eos:
+                banned.append(self.config.eos_token_id)
+            for token in banned:
+                bias[token] = _SUPPRESS
+        return _RowParams(params, bias or None)
+
+    def _sample(self, rows: list[tuple[Request, np.ndarray]], finished: list[Request]) -> None:
+        requests = [r for r, _ in rows]
+        logits = np.stack([l for _, l in rows])
+        batch = token_bucket(len(requests), minimum=8)
+        logits = np.concatenate([logits, np.zeros((batch - len(requests), logits.shape[1]), logits.dtype)])
+        tensors = sampler.build_sampling_tensors(
+            [self._row_params(r) for r in requests], [r.length for r in requests],
+            [r.prompt_token_ids for r in requests], [r.output_ids for r in requests],
+            vocab_size=self.config.vocab_size, batch_size=batch)
+        want = max((r.params.logprobs or 0) for r in requests)
+        n_logprobs = 0 if want == 0 and all(r.params.logprobs is None for r in requests) else MAX_LOGPROBS
+        self._rng, key = jax.random.split(self._rng)
+        out = sampler.sample(logits, tensors, key, num_logprobs=n_logprobs)
+        tokens = np.asarray(out.tokens)
+        token_logprobs = np.asarray(out.logprobs)
+        ranks = np.asarray(out.ranks)
+        top_ids = None if out.top_ids is None else np.asarray(out.top_ids)
+        top_lp = None if out.top_logprobs is None else np.asarray(out.top_logprobs)
+        now = time.time()
+        for i, request in enumerate(requests):
+            token = int(tokens[i])
+            request.output_ids.append(token)
+            self.stats["generation_tokens"] += 1
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            if request.logprobs is not None:
+                entry = {token: Logprob(float(token_logprobs[i]), int(ranks[i]), self._decode_one(token))}
+                for j in range(request.params.logprobs):
+                    alt = int(top_ids[i, j])
+                    entry.setdefault(alt, Logprob(float(top_lp[i, j]), j + 1, self._decode_one(alt)))
+                request.logprobs.append(entry)
+                request.cumulative_logprob += float(token_logprobs[i])
+            if self._check_stop(request, token):
+                request.status = Status.FINISHED
+                finished.append(request)
+
+    def _decode_one(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _flush_text(self, request: Request) -> None:
+        if request.detokenizer is not None:
+            request.text += request.stops.feed(request.detokenizer.flush()).text
+            request.text += request.stops.flush()
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.params
+        n_out = len(request.output_ids)
+        if request.detokenizer is not None:
+            update = request.stops.feed(request.detokenizer.push(token))
+            request.text += update.text
+            if update.stopped and n_out >= params.min_tokens:
+                request.finish_reason, request.stop_reason = "stop", update.stop_reason
+                return True
+        if n_out >= params.min_tokens:
+            if token == self.config.eos_token_id and not params.ignore_eos:
+                request.finish_reason = "stop"
+                self._flush_text(request)
+                return True
+            if params.stop_token_ids and token in params.stop_token_ids:
+                request.finish_reason, request.stop_reason = "stop", token
+                self._flush_text(request)
+                return True
+        limit = params.max_tokens if params.max_tokens is not None else float("inf")
+        if n_out >= limit or request.length >= self.cache.layout.max_len:
+            request.finish_reason = "length"
+            self._flush_text(request)
+            return True
+        return False
+
+
+__all__ = ["AdmissionError", "EngineConfig", "LLMEngine"]

@@ -1,0 +1,71 @@
+"""A request's life inside the engine: its tokens, where its cache lives, how far it has been
+computed, and the text and stop state of its output."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from deepinfer.serve.api.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
+from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
+from deepinfer.serve.text.stops import StopChecker
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    stops: StopChecker
+    arrival_order: int
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    computed: int = 0  # tokens of all_ids whose KV is in the cache
+    floor: int = 0  # decoder replay start (compact prefill); set when the prefill starts
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_ids)
+
+    @property
+    def to_feed(self) -> int:
+        """Tokens not in the cache yet; the last of them yields the next sample."""
+        return self.length - self.computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=self.text,
+            token_ids=list(self.output_ids),
+            cumulative_logprob=self.cumulative_logprob if self.params.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), None, [completion],
+                             self.finished, self.metrics, 0)

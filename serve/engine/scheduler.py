@@ -1,0 +1,112 @@
+"""Continuous batching: which requests get a slot, which prefill chunks and decodes run in the
+next step, and who is preempted when the page pool runs short.
+
+Policy: first come, first served. Every step may run one prefill step (up to `prefill_rows`
+chunks of waiting or partly prefilled requests) and one decode step (every request that has a
+token to feed and nothing else). Prefill chunks start at multiples of 128 (a chunk is a
+multiple of 128 tokens except a prompt's last), so compression groups and candidate blocks
+cross chunk boundaries only through the cache. When a decode needs a page and none is free, the
+most recently admitted running request is preempted: its slot and pages are freed and it goes
+back to the front of the queue, to be recomputed from its tokens (prompt + output so far).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer.serve.engine.cache import CacheManager
+from deepinfer.serve.engine.request import Request, Status
+
+
+@dataclass
+class StepPlan:
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, *, prefill_chunk: int = 512, prefill_rows: int = 1):
+        if prefill_chunk % 128:
+            raise ValueError(f"prefill_chunk must be a multiple of 128, got {prefill_chunk}")
+        self.cache = cache
+        self.prefill_chunk = prefill_chunk
+        self.prefill_rows = prefill_rows
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request: Request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+            self.cache.release(request.slot)
+            request.slot = None
+
+    def finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+            self.cache.release(request.slot)
+            request.slot = None
+
+    def _preempt(self, plan: StepPlan, keep: Request) -> bool:
+        victims = [r for r in self.running if r is not keep]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda r: r.arrival_order)
+        self.running.remove(victim)
+        self.cache.release(victim.slot)
+        victim.slot, victim.computed, victim.status = None, 0, Status.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        if victim in plan.decode:
+            plan.decode.remove(victim)
+        plan.preempted.append(victim)
+        return True
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        # decodes first: a running request that only needs its last sampled token fed
+        for request in sorted(self.running, key=lambda r: r.arrival_order):
+            if request.to_feed != 1 or request not in self.running:
+                continue
+            while not self.cache.can_allocate(request.length, request.slot):
+                if not self._preempt(plan, keep=request):
+                    break
+            if self.cache.can_allocate(request.length, request.slot):
+                self.cache.ensure(request.slot, request.length)
+                plan.decode.append(request)
+        # admit waiting requests while a slot and the pages of their first chunk are free
+        while self.waiting and self.cache.free_slots:
+            request = self.waiting[0]
+            first = min(request.length, self.prefill_chunk)
+            if not self.cache.can_allocate(first):
+                break
+            self.waiting.popleft()
+            request.slot = self.cache.acquire_slot()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            plan.admitted.append(request)
+        # prefill chunks of running requests that have more than one token to feed
+        for request in sorted(self.running, key=lambda r: r.arrival_order):
+            if len(plan.prefill) >= self.prefill_rows:
+                break
+            if request.to_feed <= 1:
+                continue
+            chunk = min(request.to_feed, self.prefill_chunk)
+            if not self.cache.can_allocate(request.computed + chunk, request.slot):
+                continue
+            self.cache.ensure(request.slot, request.computed + chunk)
+            plan.prefill.append((request, chunk))
+        return plan
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
