@@ -44,7 +44,9 @@ class StepBatch:
     tokens: jax.Array  # [B, T] int32
     positions: jax.Array  # [B, T] int32
     slots: jax.Array  # [B] int32 cache slot per row
-    page_table: jax.Array  # [B, max_pages] int32 physical page per logical page (-1 = none)
+    # [B, n_pages] int32 physical page per logical page (-1 = none); n_pages is a bucket that
+    # covers the longest row, so reading a sequence's entries costs O(its context)
+    page_table: jax.Array
     hash_ids: jax.Array | None  # [B, T, n_engram_layers, n_cols] int32 (None without Engram)
     last_index: jax.Array  # [B] int32 index of the row's last valid token
     # decoder replay start (compact prefill, model-v4.1-flash.md §4.3): decoder layers run only
@@ -117,8 +119,8 @@ def _source_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: int, 
     if layout.storage == FLOAT:  # store exactly what the attention uses
         entries, keys = qat.compressed_kv(entries, config), qat.index_vector(keys, config)
     per_page = layout.page_size // ratio
-    page = batch.page_table[jnp.arange(kv.shape[0])[:, None], jnp.clip(entry_idx // per_page, 0,
-                                                                       layout.max_pages_per_slot - 1)]
+    logical = jnp.clip(entry_idx // per_page, 0, batch.page_table.shape[1] - 1)
+    page = batch.page_table[jnp.arange(kv.shape[0])[:, None], logical]
     page = jnp.where(emit & (page >= 0), page, layout.num_pages)  # out of range: dropped
     offset = entry_idx % per_page
     _write_rows(st.entries[src], encode("entry", entries, layout.storage), page, offset)

@@ -78,12 +78,15 @@ class ModelRunner:
         `[len(work), vocab]` at each row's last token (or `[len(work), tokens, vocab]`); None for
         a compact-prefill chunk below the replay floor (`decoder=False`)."""
         B, T = rows, tokens
+        longest = max(w.start + len(w.tokens) for w in work)
+        n_pages = min(self.layout.max_pages_per_slot,
+                      token_bucket(-(-longest // self.layout.page_size), minimum=1))
         tok = np.zeros((B, T), np.int32)
         pos = np.full((B, T), -1, np.int32)
         slots = np.zeros((B,), np.int32)
         last = np.zeros((B,), np.int32)
         floor = np.zeros((B,), np.int32)
-        table = np.full((B, page_table.shape[1]), -1, np.int32)
+        table = np.full((B, n_pages), -1, np.int32)
         used = set()
         for b, w in enumerate(work):
             n = len(w.tokens)
@@ -92,7 +95,7 @@ class ModelRunner:
             slots[b] = w.slot
             last[b] = n - 1
             floor[b] = w.floor
-            table[b] = page_table[w.slot]
+            table[b] = page_table[w.slot, :n_pages]
             used.add(w.slot)
         # padding rows point at an unused slot with no pages: they write nothing (positions -1)
         spare = next((s for s in range(self.layout.num_slots) if s not in used), 0)
@@ -102,7 +105,7 @@ class ModelRunner:
             hash_ids = np.concatenate([hash_ids, np.zeros((B - len(work), *hash_ids.shape[1:]), np.int32)])
         batch = StepBatch(jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slots), jnp.asarray(table),
                           None if hash_ids is None else jnp.asarray(hash_ids), jnp.asarray(last), jnp.asarray(floor))
-        key = ("prefill" if T > 1 else "decode", B, T, all_logits, decoder)
+        key = ("prefill" if T > 1 else "decode", B, T, n_pages, all_logits, decoder)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation(key[0]):
             self.cache, logits = forward_step(self.params, self.config, self.layout, self.cache, batch,
@@ -113,8 +116,9 @@ class ModelRunner:
         if key not in self._compiled:
             self._compiled.add(key)
             self.compile_seconds[key] = time.perf_counter() - start
-            log.info("compiled %s step for %d rows x %d tokens%s in %.2f s (first call, incl. run)",
-                     key[0], B, T, "" if decoder else " (encoder + decoder KV path)", self.compile_seconds[key])
+            log.info("compiled %s step for %d rows x %d tokens x %d pages%s in %.2f s (first call, incl. run)",
+                     key[0], B, T, n_pages, "" if decoder else " (encoder + decoder KV path)",
+                     self.compile_seconds[key])
         return logits
 
     def runner_cache_entries(self) -> list[np.ndarray]:

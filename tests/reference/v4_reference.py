@@ -51,7 +51,6 @@ __all__ = [
 ]
 
 F64 = np.float64
-F32 = np.float32
 CSA_RATIO = 4  # the only overlapping ratio; every other positive ratio is HCA
 
 

@@ -1,0 +1,124 @@
+"""The offline engine: continuous batching, abort, preemption with recompute, admission."""
+
+import numpy as np
+import pytest
+
+from deepinfer.model import forward, init_params, load_config
+from deepinfer.model.tokenizer import load_tokenizer
+from deepinfer.serve.api.types import SamplingParams
+from deepinfer.serve.engine.cache import AdmissionError, CacheBudget
+from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32")
+    return config, init_params(config, seed=3), load_tokenizer()
+
+
+def make_engine(model, **budget):
+    config, params, tokenizer = model
+    budget = CacheBudget(**{"num_slots": 4, "max_model_len": 512, "page_size": 64, **budget})
+    return LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=128, prefill_mode="full"))
+
+
+def prompt(n, seed):
+    ids = np.random.default_rng(seed).integers(3, 128000, n).tolist()
+    return [0] + ids
+
+
+def run(engine):
+    outputs, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        steps += 1
+        assert steps < 500
+    return outputs
+
+
+def is_greedy_continuation(model, ids, tokens):
+    """One causal forward over prompt + output: each output token must be the argmax after its
+    prefix (by causality, the same as a step-by-step greedy loop)."""
+    config, params, _ = model
+    logits = np.asarray(forward(params, config, np.asarray(list(ids) + list(tokens[:-1]))))
+    return logits[len(ids) - 1:].argmax(-1).tolist() == list(tokens)
+
+
+def test_requests_join_and_leave_between_steps(model):
+    engine = make_engine(model)
+    engine.add_request("a", prompt(20, 1), SamplingParams(max_tokens=3, **GREEDY))
+    engine.add_request("b", prompt(150, 2), SamplingParams(max_tokens=8, **GREEDY))
+    outputs = {}
+    for _ in range(3):
+        for out in engine.step():
+            outputs[out.request_id] = out
+    engine.add_request("c", prompt(40, 3), SamplingParams(max_tokens=2, **GREEDY))  # joins mid-flight
+    outputs.update(run(engine))
+    assert set(outputs) == {"a", "b", "c"}
+    for rid, n in (("a", 3), ("b", 8), ("c", 2)):
+        out = outputs[rid].outputs[0]
+        assert len(out.token_ids) == n and out.finish_reason == "length"
+        assert is_greedy_continuation(model, outputs[rid].prompt_token_ids, out.token_ids)
+    assert engine.cache.pages.free == engine.cache.layout.num_pages  # everything released
+    assert engine.cache.free_slots == engine.cache.layout.num_slots
+
+
+def test_abort_frees_the_slot_and_its_pages(model):
+    engine = make_engine(model)
+    engine.add_request("long", prompt(200, 4), SamplingParams(max_tokens=50, **GREEDY))
+    engine.step()
+    assert engine.cache.pages.free < engine.cache.layout.num_pages
+    out = engine.abort("long")
+    assert out.outputs[0].finish_reason == "abort" and out.finished
+    assert engine.cache.pages.free == engine.cache.layout.num_pages
+    assert engine.cache.free_slots == engine.cache.layout.num_slots
+    assert not engine.has_unfinished()
+
+
+def test_preemption_recomputes_and_keeps_outputs_exact(model):
+    """A pool too small for both sequences forces a preemption; the preempted request is
+    recomputed later and still produces the greedy tokens of an unconstrained run."""
+    engine = make_engine(model, num_pages=5, max_model_len=320)
+    engine.add_request("x", prompt(130, 5), SamplingParams(max_tokens=100, **GREEDY))
+    engine.add_request("y", prompt(130, 6), SamplingParams(max_tokens=100, **GREEDY))
+    outputs = run(engine)
+    assert engine.scheduler.num_preemptions >= 1
+    for rid in ("x", "y"):
+        out = outputs[rid]
+        assert len(out.outputs[0].token_ids) == 100
+        assert is_greedy_continuation(model, out.prompt_token_ids, out.outputs[0].token_ids), rid
+    assert engine.cache.pages.free == engine.cache.layout.num_pages
+
+
+def test_a_prompt_that_cannot_fit_is_rejected_and_others_continue(model):
+    engine = make_engine(model, max_model_len=256)
+    with pytest.raises(AdmissionError, match="does not fit"):
+        engine.add_request("huge", prompt(400, 7), SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", [0, 10**7], SamplingParams(max_tokens=2))
+    engine.add_request("ok", prompt(10, 8), SamplingParams(max_tokens=2, **GREEDY))
+    assert run(engine)["ok"].outputs[0].finish_reason == "length"
+
+
+def test_min_tokens_and_stop_token_ids(model):
+    engine = make_engine(model)
+    first = run_single(engine, prompt(30, 9), SamplingParams(max_tokens=6, **GREEDY))
+    tokens = first.outputs[0].token_ids
+    # stop on the third generated token: finish_reason "stop", stop_reason the token id
+    out = run_single(engine, prompt(30, 9), SamplingParams(max_tokens=6, stop_token_ids=[tokens[2]], **GREEDY))
+    assert out.outputs[0].token_ids == tokens[:3]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == tokens[2]
+    # min_tokens suppresses the stop token until 4 tokens exist
+    out = run_single(engine, prompt(30, 9),
+                     SamplingParams(max_tokens=6, min_tokens=4, stop_token_ids=[tokens[0]], **GREEDY))
+    assert len(out.outputs[0].token_ids) >= 4 and tokens[0] not in out.outputs[0].token_ids[:4]
+
+
+def run_single(engine, ids, params):
+    engine.add_request(f"r{len(engine.requests)}-{id(params)}", ids, params)
+    outputs = run(engine)
+    (out,) = outputs.values()
+    return out
