@@ -1,0 +1,130 @@
+"""Offline throughput of the engine on `tiny-v4.1` (random weights), printed in vLLM's
+`bench throughput` format, plus prefill tokens/s and the decode step time at growing context.
+
+    python benchmarks/throughput.py [--input-len 128] [--output-len 32] [--batch-sizes 1,8,32]
+                                    [--contexts 1024,8192,32768] [--prefill-len 2048]
+
+Compile and warm-up time are excluded from every measured window (each shape runs once before
+it is timed) and printed separately. Lengths are fixed (range_ratio=0, vLLM semantics);
+`ignore_eos=True`, `temperature=1.0`, `top_p=1.0`. On a CPU these figures describe the
+reference (plain jnp) path, not accelerator kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from deepinfer.model import init_params, load_config
+from deepinfer.model.kv_cache import CacheLayout
+from deepinfer.model.tokenizer import load_tokenizer
+from deepinfer.serve.api.types import SamplingParams
+from deepinfer.serve.engine.cache import CacheBudget
+from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.serve.engine.runner import ChunkWork, ModelRunner
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[0] + rng.integers(3, 128000, length - 1).tolist() for _ in range(n)]
+
+
+def _run(engine: LLMEngine, prompts, output_len: int, tag: str) -> tuple[float, int, int]:
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=1.0, top_p=1.0, seed=None)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    start = time.perf_counter()
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.prompt_token_ids) for o in outputs), sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def bench_throughput(params, config, tokenizer, batch: int, input_len: int, output_len: int) -> dict:
+    budget = CacheBudget(num_slots=batch, max_model_len=input_len + output_len + 64, page_size=128)
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=512, prefill_rows=1))
+    t0 = time.perf_counter()
+    _run(engine, _prompts(batch, input_len, seed=1), output_len, "warmup")  # compiles every shape
+    warmup = time.perf_counter() - t0
+    elapsed, n_in, n_out = _run(engine, _prompts(batch, input_len, seed=2), output_len, "bench")
+    return dict(batch=batch, elapsed=elapsed, prompt_tokens=n_in, output_tokens=n_out, warmup=warmup,
+                buckets=len(engine.runner.compile_seconds))
+
+
+def bench_prefill(params, config, tokenizer, length: int, mode: str) -> float:
+    budget = CacheBudget(num_slots=1, max_model_len=length + 64, page_size=128)
+    engine = LLMEngine(params, config, tokenizer,
+                       EngineConfig(budget=budget, prefill_chunk=512, prefill_mode=mode))
+    _run(engine, _prompts(1, length, seed=3), 1, "warm")
+    elapsed, n_in, _ = _run(engine, _prompts(1, length, seed=4), 1, "prefill")
+    return n_in / elapsed
+
+
+def bench_decode_step(params, config, context: int, repeats: int = 5) -> float:
+    """Median decode-step time of one sequence at `context` tokens. The cache is synthetic
+    (pages allocated, contents zero): a step's cost depends on the context's size, not on the
+    values; the page-table bucket grows with the context as in the engine."""
+    page = 128
+    pages = -(-(context + 1) // page)
+    layout = CacheLayout(num_slots=1, page_size=page, num_pages=pages, max_pages_per_slot=pages)
+    runner = ModelRunner(params, config, layout)
+    table = np.arange(pages, dtype=np.int32)[None]
+    history = np.zeros(context - 1, np.int32)
+    work = [ChunkWork(0, np.asarray([5], np.int32), context - 1, history)]
+    runner.run(work, table, rows=1, tokens=1)  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.run(work, table, rows=1, tokens=1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    args = ap.parse_args(argv)
+
+    config = load_config("tiny-v4.1")
+    params = init_params(config, seed=0)
+    tokenizer = load_tokenizer()
+    devices = jax.devices()
+    print(f"model: {config.name} (random weights), dtype {config.dtype}, fake_quant {config.fake_quant}, "
+          f"cache rows FP8/FP4 packed; kernels: reference (jnp)")
+    print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}); mesh: single device")
+    print(f"range_ratio=0 (vLLM semantics): input_len={args.input_len} output_len={args.output_len}\n")
+
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        r = bench_throughput(params, config, tokenizer, batch, args.input_len, args.output_len)
+        total = r["prompt_tokens"] + r["output_tokens"]
+        print(f"batch {batch}:")
+        print(f"Throughput: {batch / r['elapsed']:.2f} requests/s, {total / r['elapsed']:.2f} total tokens/s, "
+              f"{r['output_tokens'] / r['elapsed']:.2f} output tokens/s")
+        print(f"Total num prompt tokens:  {r['prompt_tokens']}")
+        print(f"Total num output tokens:  {r['output_tokens']}")
+        print(f"Compile/warmup time (s): {r['warmup']:.1f} ({r['buckets']} jitted shape buckets)\n")
+
+    for mode in ("full", "compact"):
+        rate = bench_prefill(params, config, tokenizer, args.prefill_len, mode)
+        print(f"Prefill ({mode}, {args.prefill_len} tokens, chunks of 512): {rate:.1f} tokens/s")
+    print()
+    base = None
+    print("context  decode step (ms)  vs first")
+    for context in [int(c) for c in args.contexts.split(",")]:
+        t = bench_decode_step(params, config, context)
+        base = base or t
+        print(f"{context:7d}  {t * 1e3:16.2f}  {t / base:8.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
