@@ -11,7 +11,9 @@ import jax
 import orbax.checkpoint as ocp
 
 from deepinfer.model.config import ModelConfig, config_from_dict, to_hf_config
-from deepinfer.model.params import FP4, FP8, FP8_ROWS, QuantWeight, abstract_params, build_tree, param_specs, tree_get
+from deepinfer.model.params import (
+    FP4, FP8, FP8_ROWS, QuantWeight, abstract_params, build_tree, dense_dtype, param_specs, tree_get,
+)
 
 MARKER = "deepinfer_orbax.json"
 FORMAT_VERSION = 1
@@ -63,26 +65,17 @@ def restore_orbax(directory: str | os.PathLike, mesh=None, *, dequantize: bool =
             return QuantWeight(jax.ShapeDtypeStruct(leaf.q.shape, leaf.q.dtype, sharding=sharding.q),
                                jax.ShapeDtypeStruct(leaf.scale.shape, leaf.scale.dtype, sharding=sharding.scale),
                                kind=leaf.kind, block=leaf.block)
-        dense = jax.ShapeDtypeStruct(spec.shape, leaf.dtype if not isinstance(leaf, QuantWeight) else config_dtype(config),
-                                     sharding=sharding)
-        return dense
+        return jax.ShapeDtypeStruct(spec.shape, dense_dtype(spec, config), sharding=sharding)
 
     params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), build_tree(config, target, include_mtp))
     if dequantize and quantized:
         from deepinfer.model.layers import dequantize as dense_of
-        from deepinfer.model.params import dense_dtype
 
         dense_shardings = build_tree(config, lambda s: param_sharding(s, mesh, config), include_mtp)
         params = jax.jit(lambda p: build_tree(config, lambda s: dense_of(tree_get(p, s.path), dense_dtype(s, config)),
                                               include_mtp),
                          out_shardings=dense_shardings)(params)
     return config, params
-
-
-def config_dtype(config: ModelConfig):
-    from deepinfer.model.params import compute_dtype
-
-    return compute_dtype(config)
 
 
 def convert_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, mesh=None) -> ModelConfig:
