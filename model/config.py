@@ -207,8 +207,34 @@ def _validate(c: ModelConfig) -> None:
     if not 0 <= c.num_hash_layers <= c.num_hidden_layers:
         _fail("num_hash_layers", f"{c.num_hash_layers} is out of range [0, {c.num_hidden_layers}]")
     if c.is_v4:
-        _validate_v4(c)
-        return
+        _validate_v4_schedule(c)
+    else:
+        _validate_v41_schedule(c)
+    if c.num_attention_heads % c.o_groups:
+        _fail("o_groups", f"{c.o_groups} must divide num_attention_heads ({c.num_attention_heads})")
+    if not 0 < c.qk_rope_head_dim <= min(c.head_dim, c.index_head_dim) or c.qk_rope_head_dim % 2:
+        _fail("qk_rope_head_dim", f"must be even and at most head_dim and index_head_dim, got {c.qk_rope_head_dim}")
+    if c.num_experts_per_tok > c.n_routed_experts:
+        _fail("num_experts_per_tok", f"{c.num_experts_per_tok} exceeds n_routed_experts ({c.n_routed_experts})")
+    if c.n_shared_experts not in (0, 1):
+        _fail("n_shared_experts", f"only 0 or 1 shared expert is supported, got {c.n_shared_experts}")
+    if c.scoring_func != "sqrtsoftplus":
+        _fail("scoring_func", f"unsupported scoring function {c.scoring_func!r} (V4 and V4.1 use sqrtsoftplus)")
+    if len(c.engram_num_embeddings) != len(c.engram_layer_ids):
+        _fail(
+            "engram_num_embeddings",
+            f"needs one table size per Engram layer ({len(c.engram_layer_ids)}), got {len(c.engram_num_embeddings)}",
+        )
+    if c.expert_dtype not in ("fp4", "fp8", "bf16"):
+        _fail("expert_dtype", f"unknown expert dtype {c.expert_dtype!r}")
+    if c.dtype not in ("float32", "bfloat16"):
+        _fail("dtype", f"activation dtype must be float32 or bfloat16, got {c.dtype!r}")
+    if c.hidden_size % c.weight_block_size[1] or c.hidden_size % c.weight_block_size[0]:
+        _fail("weight_block_size", f"{list(c.weight_block_size)} must divide hidden_size ({c.hidden_size})")
+
+
+def _validate_v41_schedule(c: ModelConfig) -> None:
+    """CSA2: ratios 0/1/2, KV sources shared by the layers after them, index sources, candidates."""
     if c.num_hash_layers:
         _fail("num_hash_layers", "DeepSeek-V4.1 has no hash-routed layers")
     for i, r in enumerate(c.compress_ratios):
@@ -246,30 +272,10 @@ def _validate(c: ModelConfig) -> None:
     cand = c.candidate_source_layer_id
     if cand >= 0 and cand not in c.kv_source_layer_ids:
         _fail("candidate_source_layer_id", f"layer {cand} is not a KV source")
-    if c.head_dim % c.o_groups or (c.num_attention_heads % c.o_groups):
-        _fail("o_groups", f"{c.o_groups} must divide num_attention_heads ({c.num_attention_heads})")
-    if not 0 < c.qk_rope_head_dim <= min(c.head_dim, c.index_head_dim) or c.qk_rope_head_dim % 2:
-        _fail("qk_rope_head_dim", f"must be even and at most head_dim and index_head_dim, got {c.qk_rope_head_dim}")
-    if c.num_experts_per_tok > c.n_routed_experts:
-        _fail("num_experts_per_tok", f"{c.num_experts_per_tok} exceeds n_routed_experts ({c.n_routed_experts})")
-    if c.n_shared_experts not in (0, 1):
-        _fail("n_shared_experts", f"only 0 or 1 shared expert is supported, got {c.n_shared_experts}")
-    if c.scoring_func != "sqrtsoftplus":
-        _fail("scoring_func", f"unsupported scoring function {c.scoring_func!r} (V4.1 uses sqrtsoftplus)")
-    if len(c.engram_num_embeddings) != len(c.engram_layer_ids):
-        _fail(
-            "engram_num_embeddings",
-            f"needs one table size per Engram layer ({len(c.engram_layer_ids)}), got {len(c.engram_num_embeddings)}",
-        )
-    if c.expert_dtype not in ("fp4", "fp8", "bf16"):
-        _fail("expert_dtype", f"unknown expert dtype {c.expert_dtype!r}")
-    if c.dtype not in ("float32", "bfloat16"):
-        _fail("dtype", f"activation dtype must be float32 or bfloat16, got {c.dtype!r}")
-    if c.hidden_size % c.weight_block_size[1] or c.hidden_size % c.weight_block_size[0]:
-        _fail("weight_block_size", f"{list(c.weight_block_size)} must divide hidden_size ({c.hidden_size})")
 
 
-def _validate_v4(c: ModelConfig) -> None:
+def _validate_v4_schedule(c: ModelConfig) -> None:
+    """V4: every compressed layer owns its compressor; ratio 4 = CSA, >= 8 = HCA; one MTP block."""
     for i, r in enumerate(c.compress_ratios):
         if r not in (0, 4) and r < 8:
             _fail("compress_ratios", f"entry {i} is {r}; V4 uses 0 (window), 4 (CSA) or >= 8 (HCA, 128 in the release)")
@@ -283,14 +289,6 @@ def _validate_v4(c: ModelConfig) -> None:
         _fail("candidate_source_layer_id", "DeepSeek-V4 has no candidate pool; use -1")
     if c.num_nextn_predict_layers > 1:
         _fail("num_nextn_predict_layers", "DeepSeek-V4 ships one MTP block")
-    if c.head_dim % c.o_groups or (c.num_attention_heads % c.o_groups):
-        _fail("o_groups", f"{c.o_groups} must divide num_attention_heads ({c.num_attention_heads})")
-    if not 0 < c.qk_rope_head_dim <= min(c.head_dim, c.index_head_dim) or c.qk_rope_head_dim % 2:
-        _fail("qk_rope_head_dim", f"must be even and at most head_dim and index_head_dim, got {c.qk_rope_head_dim}")
-    if c.num_experts_per_tok > c.n_routed_experts:
-        _fail("num_experts_per_tok", f"{c.num_experts_per_tok} exceeds n_routed_experts ({c.n_routed_experts})")
-    if c.scoring_func != "sqrtsoftplus":
-        _fail("scoring_func", f"unsupported scoring function {c.scoring_func!r}")
 
 
 MODEL_TYPES = ("deepseek_v41", "deepseek_v4")
