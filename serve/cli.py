@@ -8,12 +8,20 @@ Subcommands:
         Tokenize a prompt (BOS first), run one full forward pass, print the most likely next tokens.
     deepinfer convert SRC DST
         Official safetensors checkpoint -> orbax fast-restart checkpoint.
+    deepinfer generate [--model DIR_OR_PRESET] (--prompt TEXT ... | --chat TEXT) [--max-tokens N] ...
+        Generate with the offline engine (`LLM.generate` / `LLM.chat`); print the text and the
+        engine's tokens/s. Without --model: the embedded tiny-v4.1 (random weights).
+    deepinfer run-batch -i IN.jsonl -o OUT.jsonl [--model DIR_OR_PRESET] [--port N]
+        Run an OpenAI batch JSONL file (chat and text completions), like `vllm run-batch`;
+        --port serves Prometheus metrics while it runs.
 
 This module is the only place that reads `DEEPINFER_*` environment variables. It reads them once,
 in `main`, and turns them into argument defaults; everything below receives explicit values.
 Currently read:
 
-    DEEPINFER_COMPILATION_CACHE   default for `--compilation-cache` (JAX persistent compile cache)
+    DEEPINFER_COMPILATION_CACHE             default for `--compilation-cache` (JAX persistent compile cache)
+    DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE  default for `--prefill-mode` (full | compact; else compact)
+    DEEPINFER_YOCO_PREFILL_KEEP_TOKENS      default for `--keep-tokens` (else 140)
 
 Exit codes: 0 success, 2 bad input (one line on stderr naming the problem), 130 interrupted.
 JAX and the model are imported only by the subcommands that need them, so `--help` stays fast.
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -33,6 +42,11 @@ __all__ = ["CliError", "EnvDefaults", "build_parser", "main"]
 
 PROG = "deepinfer"
 DTYPES = ("float32", "bfloat16")
+PREFILL_MODES = ("full", "compact")
+DEFAULT_PREFILL_MODE = "compact"
+DEFAULT_KEEP_TOKENS = 140
+ENV_PREFILL_MODE = "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"
+ENV_KEEP_TOKENS = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
 
 
 class CliError(Exception):
@@ -44,10 +58,35 @@ class EnvDefaults:
     """The `DEEPINFER_*` environment variables, read once at the command-line boundary."""
 
     compilation_cache: str | None = None
+    # raw strings, validated by the commands that use them (a bad value must not break the others)
+    prefill_mode: str | None = None
+    keep_tokens: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> EnvDefaults:
-        return cls(compilation_cache=environ.get("DEEPINFER_COMPILATION_CACHE") or None)
+        return cls(
+            compilation_cache=environ.get("DEEPINFER_COMPILATION_CACHE") or None,
+            prefill_mode=environ.get(ENV_PREFILL_MODE) or None,
+            keep_tokens=environ.get(ENV_KEEP_TOKENS) or None,
+        )
+
+    def resolved_prefill_mode(self) -> str:
+        """`DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`, else compact."""
+        if self.prefill_mode is None:
+            return DEFAULT_PREFILL_MODE
+        mode = self.prefill_mode.strip().lower()
+        if mode not in PREFILL_MODES:
+            raise CliError(f"{ENV_PREFILL_MODE}={self.prefill_mode!r}: must be one of {', '.join(PREFILL_MODES)}")
+        return mode
+
+    def resolved_keep_tokens(self) -> int:
+        """`DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`, else 140."""
+        if self.keep_tokens is None:
+            return DEFAULT_KEEP_TOKENS
+        try:
+            return int(self.keep_tokens.strip())
+        except ValueError:
+            raise CliError(f"{ENV_KEEP_TOKENS}={self.keep_tokens!r}: must be an integer") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -271,6 +310,163 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM keyword arguments from the engine options; the YOCO settings fall back to the environment."""
+    env: EnvDefaults = getattr(args, "env", None) or EnvDefaults()
+    for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk"):
+        value = getattr(args, name)
+        if value < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.prefill_chunk % 128:
+        raise CliError(f"--prefill-chunk must be a multiple of 128, got {args.prefill_chunk}")
+    mode = args.prefill_mode if args.prefill_mode is not None else env.resolved_prefill_mode()
+    keep = args.keep_tokens if args.keep_tokens is not None else env.resolved_keep_tokens()
+    settings: dict[str, Any] = {
+        "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs, "page_size": args.page_size,
+        "prefill_chunk": args.prefill_chunk, "fake_quant": not args.no_fake_quant, "dtype": args.dtype,
+        "prefill_mode": mode, "keep_tokens": keep, "seed": args.seed if args.seed is not None else 0,
+    }
+    if args.tokenizer is not None:
+        if not os.path.isfile(args.tokenizer):
+            raise CliError(f"tokenizer file {args.tokenizer!r} does not exist")
+        settings["tokenizer"] = args.tokenizer
+    return settings
+
+
+def _make_llm(args: argparse.Namespace, **extra: Any):
+    """Build the `LLM` for --model (default: the embedded tiny-v4.1); bad input -> CliError."""
+    settings = _engine_settings(args)
+    if args.model is not None:
+        from deepinfer.model import PRESETS
+
+        if not os.path.isdir(args.model) and args.model not in PRESETS:
+            raise CliError(f"--model {args.model!r} is neither a checkpoint directory nor a preset "
+                           f"(tiny-v4.1 is the embedded one)")
+    _enable_compilation_cache(args.compilation_cache)
+    from deepinfer.serve.api.llm import LLM
+
+    try:
+        return LLM(args.model, **settings, **extra)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _describe_model(llm) -> str:
+    from deepinfer.serve.api.llm import DEFAULT_MODEL
+
+    if llm.model_name == DEFAULT_MODEL:
+        return f"{DEFAULT_MODEL} (embedded, random weights; checkpoint {llm.model_dir})"
+    return f"{llm.model_name} (checkpoint {llm.model_dir})"
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Log to whatever `sys.stderr` is at the time of the record."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
+def _enable_info_logs() -> None:
+    """INFO logs of the `deepinfer` loggers (compile times, the periodic stats line) on stderr."""
+    logger = logging.getLogger("deepinfer")
+    if logging.getLogger().handlers:  # the application (or a library) configured logging already
+        logger.setLevel(logging.INFO)
+        return
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = list(args.prompt or [])
+    if args.chat is None and not prompts:
+        raise CliError("pass --prompt TEXT (one or more) or --chat TEXT")
+    for text in [*prompts, *([args.chat] if args.chat is not None else [])]:
+        if not text:
+            raise CliError("empty prompt: pass some text")
+    if args.chat is None and args.thinking:
+        raise CliError("--thinking applies to --chat only")
+    from deepinfer.serve.api.types import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+    except ValueError as e:
+        raise CliError(f"--{str(e).replace('_', '-')}") from None
+    t0 = time.perf_counter()
+    llm = _make_llm(args)
+    t_load = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+        if args.chat is not None:
+            outputs = llm.chat([{"role": "user", "content": args.chat}], params, use_tqdm=False,
+                               chat_template_kwargs={"thinking": bool(args.thinking)})
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    elapsed = time.perf_counter() - t0
+
+    print(f"model   : {_describe_model(llm)}")
+    print(f"engine  : prefill {llm.engine.engine_config.prefill_mode} (keep {llm.engine.engine_config.keep_tokens}), "
+          f"dtype {llm.config.dtype}, fake-quant {'on' if llm.config.fake_quant else 'off'}, "
+          f"loaded in {_seconds(t_load)}")
+    n_prompt = n_gen = 0
+    for i, output in enumerate(outputs):
+        completion = output.outputs[0]
+        n_prompt += len(output.prompt_token_ids or ())
+        n_gen += len(completion.token_ids)
+        if args.chat is not None:
+            print(f"--- chat: {args.chat!r} ({len(output.prompt_token_ids)} prompt tokens, "
+                  f"thinking {'on' if args.thinking else 'off'})")
+            if completion.reasoning_content is not None:
+                print("--- reasoning:")
+                print(completion.reasoning_content)
+            print("--- content:")
+            print(completion.text)
+        else:
+            print(f"--- prompt {i}: {output.prompt!r} ({len(output.prompt_token_ids)} tokens)")
+            print(completion.text)
+        print(f"--- {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}"
+              + (f", stop_reason={completion.stop_reason!r}" if completion.stop_reason is not None else ""))
+    speed = n_gen / elapsed if elapsed > 0 else float("inf")
+    compile_s = sum(getattr(llm.engine.runner, "compile_seconds", {}).values())
+    print(f"speed   : {n_prompt} prompt + {n_gen} generated tokens in {_seconds(elapsed)}: "
+          f"{(n_prompt + n_gen) / elapsed if elapsed > 0 else 0:.1f} tokens/s, {speed:.1f} generated tokens/s"
+          + (f" (includes {_seconds(compile_s)} of first-call compilation)" if compile_s else ""))
+    return 0
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
+        raise CliError(f"input file {args.input_file!r} does not exist")
+    if args.output_file != "-":
+        parent = os.path.dirname(os.path.abspath(args.output_file))
+        if not os.path.isdir(parent):
+            raise CliError(f"the directory of output file {args.output_file!r} does not exist")
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    _enable_info_logs()
+    llm = _make_llm(args, log_stats_interval=args.log_stats_interval)
+    from deepinfer.serve.api.batch import run_batch
+
+    try:
+        summary = run_batch(llm, args.input_file, args.output_file, prometheus_port=args.port)
+    except OSError as e:
+        raise CliError(f"run-batch: {e}") from None
+    report = sys.stderr if args.output_file == "-" else sys.stdout
+    print(f"wrote {summary.total} result lines to {args.output_file} ({summary.succeeded} succeeded, "
+          f"{summary.failed} failed) in {_seconds(summary.elapsed_s)}", file=report)
+    return 0
+
+
 # ---- parser and entry point ----------------------------------------------------------------
 
 
@@ -281,6 +477,33 @@ def _usage_of(parser: argparse.ArgumentParser):
         return 2
 
     return show
+
+
+def _add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
+    p.add_argument("--model", default=None, metavar="DIR_OR_PRESET",
+                   help="checkpoint directory (official or orbax) or tiny-v4.1 (default: the embedded "
+                        "tiny-v4.1 with random weights, written once under ~/.cache/deepinfer)")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="a tokenizer.json to use instead of the pinned DeepSeek-V4 one")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: engine seed 0)")
+    p.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="context length (default 4096)")
+    p.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="concurrent sequences (default 8)")
+    p.add_argument("--page-size", type=int, default=128, metavar="N", help="tokens per cache page (default 128)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="most prompt tokens per prefill step, a multiple of 128 (default 512)")
+    p.add_argument("--no-fake-quant", action="store_true",
+                   help="skip the QAT fake-quantization of KV and indexer activations")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="activation dtype (default: the checkpoint's)")
+    p.add_argument("--prefill-mode", choices=PREFILL_MODES, default=None,
+                   help=f"YOCO prefill truncation: compact runs the decoder layers on each prompt's last "
+                        f"--keep-tokens rows, full on all (default: ${ENV_PREFILL_MODE}, else "
+                        f"{DEFAULT_PREFILL_MODE})")
+    p.add_argument("--keep-tokens", type=int, default=None, metavar="N",
+                   help=f"prompt rows kept for the decoder layers in compact mode, at least the sliding "
+                        f"window (default: ${ENV_KEEP_TOKENS}, else {DEFAULT_KEEP_TOKENS})")
+    p.add_argument("--compilation-cache", default=env.compilation_cache, metavar="DIR",
+                   help="JAX persistent compilation cache directory "
+                        "(default: $DEEPINFER_COMPILATION_CACHE, else none)")
 
 
 def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
@@ -325,6 +548,34 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     p_conv.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty)")
     p_conv.add_argument("--overwrite", action="store_true", help="allow a non-empty DST")
     p_conv.set_defaults(func=cmd_convert)
+
+    p_gen = sub.add_parser("generate", help="generate text with the offline engine (LLM.generate / LLM.chat)")
+    what = p_gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", nargs="+", action="extend", metavar="TEXT",
+                      help="one or more prompts, completed as plain text (BOS is prepended)")
+    what.add_argument("--chat", metavar="TEXT", help="one user message, answered through the chat template")
+    p_gen.add_argument("--max-tokens", type=int, default=16, metavar="N", help="most generated tokens (default 16)")
+    p_gen.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 = greedy (default 1.0)")
+    p_gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
+    p_gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K best tokens (default 0: off)")
+    p_gen.add_argument("--thinking", action="store_true", help="--chat in thinking mode (default off)")
+    _add_engine_options(p_gen, env)
+    p_gen.set_defaults(func=cmd_generate)
+
+    p_batch = sub.add_parser("run-batch", help="run an OpenAI batch JSONL file (chat and text completions)")
+    p_batch.add_argument("-i", "--input-file", required=True, metavar="IN.jsonl", help="input JSONL ('-': stdin)")
+    p_batch.add_argument("-o", "--output-file", required=True, metavar="OUT.jsonl",
+                         help="output JSONL, one line per input line, in input order ('-': stdout)")
+    p_batch.add_argument("--port", type=int, default=None, metavar="N",
+                         help="serve Prometheus metrics on this port while the batch runs")
+    p_batch.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                         help="seconds between engine stats log lines (default 10)")
+    _add_engine_options(p_batch, env)
+    p_batch.set_defaults(func=cmd_run_batch)
+
+    from deepinfer.serve.grpc.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -340,6 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version and parse errors
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    args.env = env
     try:
         return args.func(args)
     except CliError as e:

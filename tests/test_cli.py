@@ -225,3 +225,109 @@ def test_installed_console_script_help():
     assert result.returncode == 0, result.stderr
     for name in ("config", "forward", "convert"):
         assert name in result.stdout
+
+
+# ---- generate and run-batch (the offline engine) ------------------------------------------------
+
+# a small cache budget keeps the compiled step shapes few (the same as tests/serve/test_llm.py)
+SMALL_ENGINE = ["--max-num-seqs", "4", "--max-model-len", "512", "--page-size", "64", "--prefill-chunk", "128"]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """An empty home directory: the embedded default checkpoint is written under it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS",
+                 "DEEPINFER_COMPILATION_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def test_help_lists_the_engine_subcommands(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    for name in ("generate", "run-batch"):
+        assert re.search(rf"^\s+{name}\s", out, re.M), out
+
+
+@pytest.mark.slow
+def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "full")
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "150")
+    code, out, err = run(capsys, "generate", "--prompt", "The capital of France is", "Hello",
+                         "--max-tokens", "3", "--temperature", "0", *SMALL_ENGINE)
+    assert code == 0, err
+    checkpoint = home / ".cache" / "deepinfer" / "tiny-v4.1-seed0"
+    assert (checkpoint / "config.json").is_file()
+    assert f"tiny-v4.1 (embedded, random weights; checkpoint {checkpoint})" in out
+    assert "prefill full (keep 150)" in out  # the environment's defaults reached the engine
+    assert "--- prompt 0: 'The capital of France is' (6 tokens)" in out
+    assert "--- prompt 1: 'Hello' (2 tokens)" in out
+    assert out.count("--- 3 tokens, finish_reason=length") == 2
+    assert re.search(r"^speed\s+: 8 prompt \+ 6 generated tokens in .* generated tokens/s", out, re.M), out
+
+    # options win over the environment; --chat prints the content (and reasoning in thinking mode)
+    code, out, err = run(capsys, "generate", "--chat", "Hi", "--max-tokens", "2", "--temperature", "0",
+                         "--prefill-mode", "compact", "--keep-tokens", "140", *SMALL_ENGINE)
+    assert code == 0, err
+    assert "prefill compact (keep 140)" in out
+    assert "--- chat: 'Hi'" in out and "thinking off" in out
+    assert "--- content:" in out and "--- reasoning:" not in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needles"),
+    [
+        (["generate"], {}, ["--prompt", "--chat"]),
+        (["generate", "--prompt", "x", "--chat", "y"], {}, ["not allowed"]),
+        (["generate", "--prompt", "x", "--max-tokens", "0"], {}, ["--max-tokens"]),
+        (["generate", "--prompt", "x", "--keep-tokens", "10"], {}, ["keep_tokens", "sliding window"]),
+        (["generate", "--prompt", "x", "--prefill-mode", "sparse"], {}, ["sparse"]),
+        (["generate", "--prompt", "x"], {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "sparse"},
+         ["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "sparse"]),
+        (["generate", "--prompt", "x"], {"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "many"},
+         ["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "many"]),
+        (["generate", "--prompt", "x", "--model", "deepseek-v4.1-flash"], {}, ["deepseek-v4.1-flash", "no weights"]),
+        (["generate", "--prompt", "x", "--model", "/no/such/dir"], {}, ["/no/such/dir"]),
+        (["generate", "--prompt", "x", "--prefill-chunk", "100"], {}, ["--prefill-chunk", "128"]),
+        (["generate", "--chat", "Hi", "--thinking", "--max-tokens", "1"], {}, ["<｜System｜>"]),
+        (["run-batch", "-i", "/no/such/in.jsonl", "-o", "/tmp/out.jsonl"], {}, ["/no/such/in.jsonl"]),
+    ],
+)
+def test_engine_commands_reject_bad_input_with_one_line(capsys, home, monkeypatch, argv, env, needles):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert_one_line_error(err, *needles)
+
+
+def test_yoco_environment_variables_are_read_through_env_defaults():
+    env = EnvDefaults.from_environ({"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "full",
+                                    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "200"})
+    assert (env.resolved_prefill_mode(), env.resolved_keep_tokens()) == ("full", 200)
+    env = EnvDefaults.from_environ({})
+    assert (env.resolved_prefill_mode(), env.resolved_keep_tokens()) == ("compact", 140)
+
+
+@pytest.mark.slow
+def test_run_batch_writes_one_line_per_input_line(capsys, home, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Hello", "max_tokens": 2, "temperature": 0}},
+        {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True}},
+        {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}},
+    ]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    code, out, err = run(capsys, "run-batch", "-i", str(src), "-o", str(dst), "--prefill-mode", "full",
+                         *SMALL_ENGINE)
+    assert code == 0, err
+    assert f"wrote 3 result lines to {dst} (2 succeeded, 1 failed)" in out
+    results = [json.loads(r) for r in dst.read_text(encoding="utf-8").splitlines()]
+    assert [r["custom_id"] for r in results] == ["a", "b", "c"]
+    assert [r["response"]["status_code"] for r in results] == [200, 400, 200]
+    assert "stream" in results[1]["error"]["message"]
+    assert results[0]["response"]["body"]["usage"]["completion_tokens"] == 2

@@ -1,0 +1,679 @@
+"""`LLM`: the offline Python API, shaped like vLLM's (`interfaces.md` §1, §6).
+
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM()  # the embedded tiny-v4.1 (random weights), or LLM("/path/to/checkpoint")
+    outs = llm.generate(["The capital of France is", [0, 791, 6102]], SamplingParams(max_tokens=8))
+    chat = llm.chat([{"role": "user", "content": "Hi"}], chat_template_kwargs={"thinking": False})
+
+What it adds on top of `LLMEngine`:
+
+* model resolution: a checkpoint directory (official safetensors or orbax; `load_checkpoint`), or
+  the embedded default. `model=None` (or `"tiny-v4.1"`) means the tiny preset with random weights,
+  written once as a real official-format checkpoint (seed 0, float32) into a cache directory
+  (`~/.cache/deepinfer/tiny-v4.1-seed0` unless `cache_dir` says otherwise) and loaded from there.
+  The write goes to a temporary directory renamed into place, so concurrent processes are safe.
+  Other presets have no weights here and are rejected; so is a DeepSeek-V4 model (the engine
+  serves V4.1; V4 runs only the full forward pass, `deepinfer forward`).
+* prompts in vLLM's forms, validated before any work: one bad prompt fails the whole call with
+  a `ValueError` naming its index, and nothing is left in the engine;
+* chat: conversations are rendered and encoded by `prepare_chat` for the model's type (the
+  prompt gets exactly the template's BOS), generation stops on EOS, and the answer is parsed back
+  into `text` (the content), `reasoning_content` and `tool_calls`;
+* observability: a tqdm "Processed prompts" bar with the estimated input/output speed, vLLM's
+  periodic `LoggingStatLogger` line (logger `deepinfer.llm`, INFO, at most every
+  `log_stats_interval` seconds), `get_metrics()` with vLLM's metric names, and
+  `start_profile(dir)` / `stop_profile()` around `jax.profiler`.
+
+Differences from vLLM, on purpose: unknown constructor arguments raise instead of being passed to
+an engine-args object; `chat` defaults to thinking off (as the DeepSeek chat templates in vLLM
+do) unless `chat_template_kwargs` sets `thinking` or `reasoning_effort`; `n` must be 1.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from deepinfer.model import PRESETS, init_params, load_checkpoint, load_config, write_checkpoint
+from deepinfer.model.checkpoint import INDEX_FILE
+from deepinfer.serve.api.types import RequestOutput, SamplingParams
+from deepinfer.serve.engine.cache import CacheBudget
+from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.serve.text.chat import (
+    ChatEncodingError,
+    ChatOutputParser,
+    ChatPrompt,
+    ParsedChat,
+    prepare_chat,
+)
+
+__all__ = ["DEFAULT_MODEL", "LLM", "PREFILL_MODES", "default_cache_dir", "ensure_default_checkpoint", "parse_chat_completion"]
+
+log = logging.getLogger("deepinfer.llm")
+
+DEFAULT_MODEL = "tiny-v4.1"
+DEFAULT_WEIGHT_SEED = 0
+PREFILL_MODES = ("full", "compact")
+CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_format")
+_KNOWN_ARGS = (
+    "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
+    "prefill_chunk", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
+    "cache_dir",
+)
+
+
+# ---- the embedded default checkpoint --------------------------------------------------------
+
+
+def default_cache_dir() -> str:
+    """Where the embedded default checkpoint lives unless `cache_dir` is given."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "deepinfer",
+                        f"{DEFAULT_MODEL}-seed{DEFAULT_WEIGHT_SEED}")
+
+
+def _is_complete(directory: str) -> bool:
+    return (os.path.isfile(os.path.join(directory, INDEX_FILE))
+            and os.path.isfile(os.path.join(directory, "config.json")))
+
+
+def ensure_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> tuple[str, bool]:
+    """Make sure the embedded default checkpoint exists; returns `(directory, written_now)`.
+
+    The tiny-v4.1 preset with random weights (seed 0, float32) is written in the official format
+    to a temporary sibling directory and renamed onto `cache_dir`; when another process wins the
+    race, its copy is kept and ours is discarded. A non-empty `cache_dir` that is not a complete
+    checkpoint is an error (delete it to have it rewritten).
+    """
+    target = os.path.abspath(os.fspath(cache_dir) if cache_dir is not None else default_cache_dir())
+    if _is_complete(target):
+        return target, False
+    if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
+        raise ValueError(f"cache_dir: {target} exists but is not a complete checkpoint "
+                         f"(no {INDEX_FILE} or config.json); delete it to have it rewritten")
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+    try:
+        config = load_config(DEFAULT_MODEL, dtype="float32")
+        write_checkpoint(init_params(config, DEFAULT_WEIGHT_SEED), config, tmp)
+        try:
+            os.rename(tmp, target)  # atomic; fails if another process already put a copy there
+        except OSError:
+            if not _is_complete(target):
+                raise
+            return target, False
+        log.info("wrote the embedded %s checkpoint (random weights, seed %d) to %s",
+                 DEFAULT_MODEL, DEFAULT_WEIGHT_SEED, target)
+        return target, True
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _unknown_argument(name: str, known: Iterable[str], what: str) -> ValueError:
+    hint = difflib.get_close_matches(name, sorted(known), n=1)
+    suffix = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return ValueError(f"{name}: unknown {what}{suffix}")
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _is_token_list(value: Any) -> bool:
+    if isinstance(value, np.ndarray):
+        return value.ndim == 1 and np.issubdtype(value.dtype, np.integer)
+    return (isinstance(value, (list, tuple)) and len(value) > 0
+            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value))
+
+
+def _token_ids(value: Any, where: str) -> list[int]:
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        raise ValueError(f"{where}: prompt_token_ids must be a list of int, got {type(value).__name__}")
+    ids = []
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"{where}: token ids must be integers, got {t!r}")
+        ids.append(int(t))
+    return ids
+
+
+def parse_chat_completion(tokenizer: Any, prompt: ChatPrompt, output: RequestOutput) -> ParsedChat:
+    """Parse a chat request's finished output into content / reasoning / tool calls.
+
+    Generation stopped on EOS, a stop token, a stop string or the length limit. A matched stop
+    string is already cut from the engine's text, so the parser gets that text; otherwise it gets
+    the token ids (a final stop token id left out; EOS is dropped by the parser itself).
+    """
+    completion = output.outputs[0]
+    ids = list(completion.token_ids)
+    parser = ChatOutputParser(tokenizer, prompt)
+    try:
+        if completion.finish_reason == "stop" and isinstance(completion.stop_reason, str):
+            parser.push_text(completion.text, len(ids))
+        else:
+            if completion.finish_reason == "stop" and isinstance(completion.stop_reason, int) and ids \
+                    and ids[-1] == completion.stop_reason:
+                ids = ids[:-1]
+            parser.push(ids)
+        reason = completion.finish_reason if completion.finish_reason in ("length", "abort") else "stop"
+        parser.finish(reason)
+        return parser.result()
+    finally:
+        parser.close()
+
+
+@dataclass
+class _Progress:
+    """A vLLM-style progress bar: requests done, with the estimated token speeds."""
+
+    bar: Any
+    in_tokens: int = 0
+    out_tokens: int = 0
+
+    def update(self, output: RequestOutput) -> None:
+        if self.bar is None:
+            return
+        self.in_tokens += len(output.prompt_token_ids or ())
+        self.out_tokens += sum(len(c.token_ids) for c in output.outputs)
+        elapsed = (getattr(self.bar, "format_dict", None) or {}).get("elapsed") or 0.0
+        if elapsed > 0:
+            self.bar.postfix = (f"est. speed input: {self.in_tokens / elapsed:.2f} toks/s, "
+                                f"output: {self.out_tokens / elapsed:.2f} toks/s")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---- LLM --------------------------------------------------------------------------------------
+
+
+class LLM:
+    """An offline engine over one model, with vLLM's `generate` / `chat` API.
+
+    Args:
+        model: a checkpoint directory (official or orbax format), or None / "tiny-v4.1" for the
+            embedded default (see the module docstring).
+        tokenizer: None (the pinned DeepSeek-V4 tokenizer), a path to a `tokenizer.json` (loaded
+            without the pin check), or a loaded `tokenizers.Tokenizer`.
+        seed: seed of the engine's sampling RNG (requests without their own `seed`).
+        max_model_len, max_num_seqs, page_size, num_pages: the cache budget (context length,
+            concurrent sequences = cache slots, tokens per page, pages; None = enough for every
+            slot at max_model_len).
+        prefill_chunk: most prompt tokens per prefill step (a multiple of 128).
+        dtype: activation dtype override ("float32" or "bfloat16"); None keeps the checkpoint's.
+        fake_quant: the QAT fake-quantization of KV and indexer activations.
+        prefill_mode, keep_tokens: YOCO prefill truncation (`model-v4.1-flash.md` §4.3):
+            "compact" runs the decoder layers only on each prompt's last `keep_tokens` rows
+            (at least the sliding window), "full" on every row.
+        log_stats_interval: seconds between the periodic stats log lines (None: never).
+        cache_dir: where the embedded default checkpoint is written / read.
+
+    Unknown keyword arguments raise `ValueError` naming the argument.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        tokenizer: Any = None,
+        seed: int = 0,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 8,
+        page_size: int = 128,
+        num_pages: int | None = None,
+        prefill_chunk: int = 512,
+        dtype: str | None = None,
+        fake_quant: bool = True,
+        prefill_mode: str = "compact",
+        keep_tokens: int = 140,
+        log_stats_interval: float | None = 10.0,
+        cache_dir: str | os.PathLike | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise _unknown_argument(sorted(unknown)[0], _KNOWN_ARGS, "LLM argument")
+        _positive_int("seed", seed, minimum=0)
+        _positive_int("max_model_len", max_model_len, minimum=2)
+        _positive_int("max_num_seqs", max_num_seqs)
+        _positive_int("page_size", page_size)
+        if num_pages is not None:
+            _positive_int("num_pages", num_pages)
+        _positive_int("prefill_chunk", prefill_chunk)
+        if prefill_chunk % 128:
+            raise ValueError(f"prefill_chunk: must be a multiple of 128, got {prefill_chunk}")
+        if dtype is not None and dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: must be 'float32' or 'bfloat16', got {dtype!r}")
+        if not isinstance(fake_quant, bool):
+            raise ValueError(f"fake_quant: must be a bool, got {fake_quant!r}")
+        if prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode: must be one of {', '.join(PREFILL_MODES)}, got {prefill_mode!r}")
+        _positive_int("keep_tokens", keep_tokens)
+        if log_stats_interval is not None and (not isinstance(log_stats_interval, (int, float))
+                                               or isinstance(log_stats_interval, bool) or log_stats_interval < 0):
+            raise ValueError(f"log_stats_interval: must be a non-negative number or None, got {log_stats_interval!r}")
+
+        directory, self.model_name = self._resolve_model(model, cache_dir)
+        self.model_dir = directory
+        try:
+            probe = load_config(directory)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"model: cannot read the config of {directory}: {e}") from None
+        if probe.is_v4:
+            raise ValueError(
+                f"model: {self.model_name!r} is a DeepSeek-V4 model ({probe.model_type}); the engine serves "
+                "DeepSeek-V4.1 only for now. V4 runs only the full forward pass (`deepinfer forward`)")
+        if keep_tokens < probe.sliding_window:
+            raise ValueError(f"keep_tokens: must be at least the model's sliding window "
+                             f"({probe.sliding_window}), got {keep_tokens}")
+        overrides: dict[str, Any] = {"fake_quant": fake_quant}
+        if dtype is not None:
+            overrides["dtype"] = dtype
+        try:
+            self.config, params = load_checkpoint(directory, **overrides)
+        except (ValueError, OSError) as e:  # CheckpointError / ConfigError are ValueErrors
+            raise ValueError(f"model: cannot load checkpoint {directory}: {e}") from None
+        self.tokenizer = self._load_tokenizer(tokenizer)
+        self.max_model_len = max_model_len
+        budget = CacheBudget(num_slots=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
+                             num_pages=num_pages)
+        engine_config = EngineConfig(budget=budget, prefill_chunk=prefill_chunk, seed=seed,
+                                     prefill_mode=prefill_mode, keep_tokens=keep_tokens)
+        self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config)
+        self.log_stats_interval = log_stats_interval
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._prompt_counted: set[str] = set()
+        self._prompt_tokens = 0
+        self._success = {"stop": 0, "length": 0, "abort": 0}
+        self._samples: dict[str, list[float]] = {
+            "vllm:time_to_first_token_seconds": [],
+            "vllm:e2e_request_latency_seconds": [],
+            "vllm:request_queue_time_seconds": [],
+            "vllm:request_prompt_tokens": [],
+            "vllm:request_generation_tokens": [],
+        }
+        self._last_log = (time.monotonic(), 0, 0)
+        self._profile_dir: str | None = None
+
+    # ---- construction helpers ---------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_model(model, cache_dir) -> tuple[str, str]:
+        if model is None or str(model) == DEFAULT_MODEL:
+            directory, _ = ensure_default_checkpoint(cache_dir)
+            return directory, DEFAULT_MODEL
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model: must be a checkpoint directory or a preset name, got {type(model).__name__}")
+        path = os.fspath(model)
+        if os.path.isdir(path):
+            return os.path.abspath(path), path
+        if path in PRESETS:
+            raise ValueError(f"model: preset {path!r} has no weights here; only {DEFAULT_MODEL!r} is embedded "
+                             "(random weights). Pass a checkpoint directory")
+        raise ValueError(f"model: {path!r} is neither a checkpoint directory nor the embedded preset "
+                         f"{DEFAULT_MODEL!r}")
+
+    @staticmethod
+    def _load_tokenizer(tokenizer: Any):
+        from deepinfer.model.tokenizer import load_tokenizer
+
+        if tokenizer is None:
+            return load_tokenizer()
+        if isinstance(tokenizer, (str, os.PathLike)):
+            try:
+                return load_tokenizer(tokenizer, expected_sha256=None)
+            except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception types
+                raise ValueError(f"tokenizer: cannot load {os.fspath(tokenizer)!r}: {e}") from None
+        for method in ("encode", "decode", "token_to_id"):
+            if not callable(getattr(tokenizer, method, None)):
+                raise ValueError(f"tokenizer: expected a path or a tokenizers.Tokenizer, got {type(tokenizer).__name__}")
+        return tokenizer
+
+    # ---- public API -------------------------------------------------------------------------
+
+    @property
+    def params(self) -> dict:
+        """The model parameters the engine runs."""
+        return self.engine.runner.params
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a text prompt: BOS, then the text (the DeepSeek tokenizer adds no BOS)."""
+        return [self.config.bos_token_id, *self.tokenizer.encode(text, add_special_tokens=False).ids]
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+    ) -> list[RequestOutput]:
+        """Complete prompts; one `RequestOutput` per prompt, in input order.
+
+        prompts: a str, a list of token ids, `{"prompt": str}`, `{"prompt_token_ids": [...]}`, or
+            a list of those. Text is encoded with BOS prepended.
+        sampling_params: one `SamplingParams` (or a dict of its fields) for every prompt, or a
+            list with one per prompt; None means `SamplingParams()`.
+        use_tqdm: show the "Processed prompts" bar (or a tqdm-like callable to build it).
+        """
+        items = self._normalize_prompts(prompts)
+        params = self._normalize_params(sampling_params, len(items))
+        return self._generate(items, params, use_tqdm=use_tqdm, label="prompt")
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of message dicts) or a list of conversations.
+
+        chat_template_kwargs: `thinking` (bool; default False unless `reasoning_effort` is set),
+            `reasoning_effort`, and the request switches `tool_choice` / `response_format`.
+        tools: OpenAI function tools, shared by every conversation.
+
+        Each output's `text` is the answer content; `reasoning_content` the thinking text
+        (thinking mode), `tool_calls` the parsed calls; `prompt` the rendered prompt text.
+        `finish_reason` / `stop_reason` are the engine's (vLLM's), generation stops on EOS.
+        """
+        conversations = self._normalize_conversations(messages)
+        kwargs = self._chat_kwargs(chat_template_kwargs)
+        params = self._normalize_params(sampling_params, len(conversations))
+        prompts = [self.prepare_chat(conv, tools=tools, where=f"conversation {i}", **kwargs)
+                   for i, conv in enumerate(conversations)]
+        outputs = self._generate([(p.prompt, p.token_ids) for p in prompts], params, use_tqdm=use_tqdm,
+                                 label="conversation")
+        for prompt, output in zip(prompts, outputs):
+            parsed = parse_chat_completion(self.tokenizer, prompt, output)
+            completion = output.outputs[0]
+            completion.text = parsed.content
+            completion.reasoning_content = parsed.reasoning_content
+            completion.tool_calls = parsed.tool_calls
+        return outputs
+
+    def prepare_chat(self, messages: Sequence[Mapping[str, Any]], *, tools=None, where: str = "conversation",
+                     thinking: bool | None = None, reasoning_effort: str | None = None, tool_choice=None,
+                     response_format=None) -> ChatPrompt:
+        """Encode one conversation for this model (errors are `ValueError`s prefixed by `where`)."""
+        try:
+            return prepare_chat(messages, model_type=self.config.model_type, tokenizer=self.tokenizer,
+                                thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
+                                tool_choice=tool_choice, response_format=response_format)
+        except ChatEncodingError as e:
+            raise ValueError(f"{where}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Engine metrics under vLLM's Prometheus names (`interfaces.md` §6).
+
+        Gauges `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`
+        (0-1); counters `vllm:prompt_tokens` (each request's prompt, counted at its first token),
+        `vllm:generation_tokens`, `vllm:num_preemptions`, `vllm:request_success` ({finish reason:
+        count}); histogram samples (lists, seconds or tokens) `vllm:time_to_first_token_seconds`,
+        `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`,
+        `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`.
+        """
+        with self._lock:
+            self._count_prompts()
+            scheduler = self.engine.scheduler
+            metrics: dict[str, Any] = {
+                "vllm:num_requests_running": len(scheduler.running),
+                "vllm:num_requests_waiting": len(scheduler.waiting),
+                "vllm:kv_cache_usage_perc": float(self.engine.cache.usage()),
+                "vllm:prompt_tokens": self._prompt_tokens,
+                "vllm:generation_tokens": int(self.engine.stats["generation_tokens"]),
+                "vllm:num_preemptions": int(scheduler.num_preemptions),
+                "vllm:request_success": dict(self._success),
+            }
+            for name, samples in self._samples.items():
+                metrics[name] = list(samples)
+        return metrics
+
+    def start_profile(self, log_dir: str | os.PathLike) -> None:
+        """Start a `jax.profiler` trace written under `log_dir` (view with TensorBoard / XProf)."""
+        if self._profile_dir is not None:
+            raise RuntimeError(f"a profile is already being recorded into {self._profile_dir}")
+        log_dir = os.fspath(log_dir)
+        os.makedirs(log_dir, exist_ok=True)
+        jax.profiler.start_trace(log_dir)
+        self._profile_dir = log_dir
+
+    def stop_profile(self) -> str:
+        """Stop the trace started by `start_profile`; returns its directory."""
+        if self._profile_dir is None:
+            raise RuntimeError("no profile is being recorded (call start_profile first)")
+        jax.profiler.stop_trace()
+        log_dir, self._profile_dir = self._profile_dir, None
+        return log_dir
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def _normalize_prompts(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
+            prompts = [prompts]
+        elif not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts: expected a str, a list of token ids, a prompt dict or a list of "
+                             f"those, got {type(prompts).__name__}")
+        return [self._one_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+
+    def _one_prompt(self, prompt: Any, where: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{where}: the prompt is empty")
+            return prompt, self.encode_prompt(prompt)
+        if isinstance(prompt, Mapping):
+            extra = set(prompt) - {"prompt", "prompt_token_ids"}
+            if extra:
+                raise ValueError(f"{where}: unsupported prompt key {sorted(extra)[0]!r} "
+                                 "(use 'prompt' or 'prompt_token_ids')")
+            if "prompt_token_ids" in prompt:
+                text = prompt.get("prompt")
+                ids = _token_ids(prompt["prompt_token_ids"], where)
+                if not ids:
+                    raise ValueError(f"{where}: the prompt is empty")
+                return (text if isinstance(text, str) else None), ids
+            if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise ValueError(f"{where}: 'prompt' must be a str, got {type(prompt['prompt']).__name__}")
+                return self._one_prompt(prompt["prompt"], where)
+            raise ValueError(f"{where}: a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = _token_ids(prompt, where)
+            if not ids:
+                raise ValueError(f"{where}: the prompt is empty")
+            return None, ids
+        raise ValueError(f"{where}: expected a str, a list of token ids or a prompt dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _normalize_params(sampling_params, n: int) -> list[SamplingParams]:
+        def one(p, where):
+            if p is None:
+                return SamplingParams()
+            if isinstance(p, SamplingParams):
+                return p
+            if isinstance(p, Mapping):
+                try:
+                    return SamplingParams.from_dict(p)
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+            raise ValueError(f"{where}: expected SamplingParams, got {type(p).__name__}")
+
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != n:
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for {n} prompts "
+                                 "(pass one, or one per prompt)")
+            return [one(p, f"sampling_params[{i}]") for i, p in enumerate(sampling_params)]
+        shared = one(sampling_params, "sampling_params")
+        return [shared] * n
+
+    @staticmethod
+    def _normalize_conversations(messages) -> list[list[Mapping[str, Any]]]:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages: expected a conversation (a non-empty list of message dicts) "
+                             "or a list of conversations")
+        if all(isinstance(m, Mapping) for m in messages):
+            return [list(messages)]
+        if all(isinstance(c, (list, tuple)) for c in messages):
+            return [list(c) for c in messages]
+        raise ValueError("messages: mix of message dicts and conversations; pass one conversation "
+                         "(a list of dicts) or a list of conversations")
+
+    @staticmethod
+    def _chat_kwargs(chat_template_kwargs) -> dict[str, Any]:
+        kwargs = dict(chat_template_kwargs or {})
+        for key in kwargs:
+            if key not in CHAT_TEMPLATE_KEYS:
+                raise _unknown_argument(key, CHAT_TEMPLATE_KEYS, "chat_template_kwargs key")
+        if "thinking" in kwargs and kwargs["thinking"] is not None and not isinstance(kwargs["thinking"], bool):
+            raise ValueError(f"thinking: must be a bool, got {kwargs['thinking']!r}")
+        if kwargs.get("thinking") is None and kwargs.get("reasoning_effort") is None:
+            kwargs["thinking"] = False
+        return kwargs
+
+    def _next_request_id(self) -> str:
+        return f"llm-{next(self._ids)}"
+
+    def _add_request(self, prompt_text: str | None, ids: list[int], params: SamplingParams) -> str:
+        """Queue one request in the engine; raises ValueError for a prompt that cannot run."""
+        request_id = self._next_request_id()
+        self.engine.add_request(request_id, ids, params, prompt=prompt_text)
+        return request_id
+
+    def _generate(self, items, params, *, use_tqdm, label: str) -> list[RequestOutput]:
+        added: list[str] = []
+        try:
+            for i, ((text, ids), sp) in enumerate(zip(items, params)):
+                try:
+                    added.append(self._add_request(text, ids, sp))
+                except ValueError as e:
+                    raise ValueError(f"{label} {i}: {e}") from None
+        except BaseException:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
+        bar = self._progress_bar(use_tqdm, total=len(added), desc="Processed prompts")
+        results = self._run(added, progress=bar)
+        return [results[r] for r in added]
+
+    def _progress_bar(self, use_tqdm, *, total: int, desc: str, **kwargs) -> _Progress:
+        if not use_tqdm or total == 0 or jax.process_index() != 0:
+            return _Progress(None)
+        if callable(use_tqdm):
+            factory = use_tqdm
+        else:
+            from tqdm import tqdm as factory
+        return _Progress(factory(total=total, desc=desc, dynamic_ncols=True, **kwargs))
+
+    def _run(self, request_ids: Sequence[str], *, progress: _Progress | None = None,
+             on_output: Callable[[RequestOutput], None] | None = None) -> dict[str, RequestOutput]:
+        """Step the engine until every request in `request_ids` finished; aborts them on error."""
+        progress = progress or _Progress(None)
+        pending = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        try:
+            while pending:
+                if not self.engine.has_unfinished():
+                    raise RuntimeError(f"the engine dropped {len(pending)} request(s) without a result")
+                outputs = self.engine.step()
+                with self._lock:
+                    self._count_prompts(outputs)
+                    for output in outputs:
+                        self._record(output)
+                for output in outputs:
+                    if output.request_id in pending:
+                        pending.discard(output.request_id)
+                        results[output.request_id] = output
+                        progress.update(output)
+                        if on_output is not None:
+                            on_output(output)
+                self._maybe_log_stats()
+        except BaseException:
+            for request_id in pending:
+                aborted = self.engine.abort(request_id)
+                if aborted is not None:
+                    with self._lock:
+                        self._record(aborted)
+            raise
+        finally:
+            progress.close()
+        return results
+
+    # ---- statistics -------------------------------------------------------------------------
+
+    def _count_prompts(self, finished: Sequence[RequestOutput] = ()) -> None:
+        """vLLM counts a request's prompt tokens once, when it produced its first token."""
+        for request in list(self.engine.requests.values()):
+            if request.output_ids and request.request_id not in self._prompt_counted:
+                self._prompt_counted.add(request.request_id)
+                self._prompt_tokens += len(request.prompt_token_ids)
+        for output in finished:
+            if output.request_id in self._prompt_counted:
+                self._prompt_counted.discard(output.request_id)
+            elif any(c.token_ids for c in output.outputs):
+                self._prompt_tokens += len(output.prompt_token_ids or ())
+
+    def _record(self, output: RequestOutput) -> None:
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        if reason is not None:
+            self._success[reason] = self._success.get(reason, 0) + 1
+        m = output.metrics
+        if m is None:
+            return
+        if m.time_to_first_token is not None:
+            self._samples["vllm:time_to_first_token_seconds"].append(m.time_to_first_token)
+        if m.e2e_latency is not None:
+            self._samples["vllm:e2e_request_latency_seconds"].append(m.e2e_latency)
+        if m.time_in_queue is not None:
+            self._samples["vllm:request_queue_time_seconds"].append(m.time_in_queue)
+        self._samples["vllm:request_prompt_tokens"].append(float(len(output.prompt_token_ids or ())))
+        self._samples["vllm:request_generation_tokens"].append(
+            float(sum(len(c.token_ids) for c in output.outputs)))
+
+    def stats_line(self, prompt_throughput: float, generation_throughput: float) -> str:
+        """vLLM's `LoggingStatLogger` line for the given throughputs and the current engine state."""
+        scheduler = self.engine.scheduler
+        return (f"Engine 000: Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
+                f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
+                f"Running: {len(scheduler.running)} reqs, Waiting: {len(scheduler.waiting)} reqs, "
+                f"GPU KV cache usage: {100.0 * self.engine.cache.usage():.1f}%, "
+                f"Prefix cache hit rate: 0.0%")
+
+    def _maybe_log_stats(self) -> None:
+        if self.log_stats_interval is None:
+            return
+        now = time.monotonic()
+        last_time, last_prompt, last_gen = self._last_log
+        elapsed = now - last_time
+        if elapsed < self.log_stats_interval:
+            return
+        prompt = int(self.engine.stats["prompt_tokens"])
+        gen = int(self.engine.stats["generation_tokens"])
+        span = max(elapsed, 1e-9)
+        log.info("%s", self.stats_line((prompt - last_prompt) / span, (gen - last_gen) / span))
+        self._last_log = (now, prompt, gen)

@@ -1,0 +1,342 @@
+"""Between the wire and the engine: request validation and message building for the gRPC server.
+
+Nothing here touches the network or the engine's state; the server calls these on its event loop
+(or a worker thread for tokenization) and hands the engine plain values.
+
+* `sampling_params_from_proto` turns `SamplingParams` (plus the logprob switches of
+  `GenerateRequest`) into the engine's `SamplingParams`, applying the defaults of unset `optional`
+  fields and naming the offending field, by its proto path, in every error.
+* `prompt_from_request` / `prompt_from_input` resolve the `input` oneof (token ids, text, chat) into
+  prompt token ids and check them against the vocabulary and the context.
+* `chunk_message` / `complete_message` build the stream messages from engine results.
+
+Errors are `InvalidArgument(field, message)`: the server answers them with INVALID_ARGUMENT and
+the text `"<field>: <message>"`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from deepinfer.serve.api.types import Logprob, RequestOutput, SamplingParams
+from deepinfer.serve.grpc import deepinfer_engine_pb2 as pb
+
+__all__ = [
+    "InvalidArgument",
+    "MAX_LOGPROBS",
+    "PreparedPrompt",
+    "chunk_message",
+    "complete_message",
+    "logprobs_message",
+    "prompt_from_input",
+    "reasoning_token_count",
+    "sampling_params_from_proto",
+]
+
+MAX_LOGPROBS = 20  # the engine's limit on alternatives per token
+
+# engine (vLLM) name -> proto field name, where they differ
+_PROTO_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "include_stop_str_in_output": "no_stop_trim",
+}
+
+
+class InvalidArgument(ValueError):
+    """A request field with a bad value; `str()` is "<field path>: <message>"."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _f32(value: float) -> float:
+    """A float32 wire value as the decimal the client most likely wrote (0.8f -> 0.8, not 0.800000011920929).
+
+    numpy prints the shortest decimal that reads back as the same float32.
+    """
+    value = float(value)
+    if not math.isfinite(value):
+        return value
+    return float(str(np.float32(value)))
+
+
+def _rename_error(e: ValueError, prefix: str = "sampling_params") -> InvalidArgument:
+    text = str(e)
+    name, sep, rest = text.partition(": ")
+    if not sep or " " in name:
+        return InvalidArgument(prefix, text)
+    return InvalidArgument(f"{prefix}.{_PROTO_NAMES.get(name, name)}", rest)
+
+
+def _logprobs_setting(sp: pb.SamplingParams, request: pb.GenerateRequest | None) -> int | None:
+    """vLLM `logprobs` from `sampling_params.logprobs` and/or `return_logprob` + `top_logprobs_num`."""
+    own = sp.logprobs if sp.HasField("logprobs") else None
+    wanted = None
+    if request is not None:
+        if request.top_logprobs_num < 0:
+            raise InvalidArgument("top_logprobs_num", f"must be non-negative, got {request.top_logprobs_num}")
+        if request.return_logprob:
+            wanted = request.top_logprobs_num
+    if own is not None and wanted is not None and own != wanted:
+        raise InvalidArgument("sampling_params.logprobs",
+                              f"{own} conflicts with return_logprob and top_logprobs_num={wanted}")
+    value = own if own is not None else wanted
+    if value is not None:
+        field = "sampling_params.logprobs" if own is not None else "top_logprobs_num"
+        if value < 0:
+            raise InvalidArgument(field, f"must be non-negative, got {value}")
+        if value > MAX_LOGPROBS:
+            raise InvalidArgument(field, f"at most {MAX_LOGPROBS} alternatives are supported, got {value}")
+    return value
+
+
+def sampling_params_from_proto(sp: pb.SamplingParams, request: pb.GenerateRequest | None = None, *,
+                               vocab_size: int, default_max_tokens: int | None = None) -> SamplingParams:
+    """The engine's `SamplingParams` for a proto `SamplingParams` (unset optional fields take the
+    engine defaults; `max_new_tokens` unset takes `default_max_tokens`, None = up to the context)."""
+    which = sp.WhichOneof("constraint")
+    if which is not None:
+        raise InvalidArgument(f"sampling_params.{which}", "structured output is not supported yet")
+    if sp.custom_params.fields:
+        raise InvalidArgument("sampling_params.custom_params",
+                              f"no custom parameters are supported, got {sorted(sp.custom_params.fields)}")
+    if sp.HasField("stream_interval") and sp.stream_interval < 1:
+        raise InvalidArgument("sampling_params.stream_interval", f"must be at least 1, got {sp.stream_interval}")
+    if sp.n < 0:
+        raise InvalidArgument("sampling_params.n", f"must be at least 1, got {sp.n}")
+    for tid in sp.stop_token_ids:
+        if tid >= vocab_size:
+            raise InvalidArgument("sampling_params.stop_token_ids",
+                                  f"id {tid} is outside the vocabulary [0, {vocab_size})")
+    bias: dict[int, float] = {}
+    for key, value in sp.logit_bias.items():
+        try:
+            tid = int(key.strip())
+        except ValueError:
+            raise InvalidArgument("sampling_params.logit_bias", f"token id {key!r} is not an integer") from None
+        if not 0 <= tid < vocab_size:
+            raise InvalidArgument("sampling_params.logit_bias",
+                                  f"token id {tid} is outside the vocabulary [0, {vocab_size})")
+        bias[tid] = _f32(value)
+    logprobs = _logprobs_setting(sp, request)
+    kwargs: dict[str, Any] = dict(
+        n=sp.n or 1,
+        temperature=_f32(sp.temperature) if sp.HasField("temperature") else 1.0,
+        top_p=_f32(sp.top_p) if sp.HasField("top_p") else 1.0,
+        top_k=sp.top_k if sp.HasField("top_k") else 0,
+        min_p=_f32(sp.min_p),
+        frequency_penalty=_f32(sp.frequency_penalty),
+        presence_penalty=_f32(sp.presence_penalty),
+        repetition_penalty=_f32(sp.repetition_penalty) if sp.repetition_penalty != 0 else 1.0,
+        max_tokens=sp.max_new_tokens if sp.HasField("max_new_tokens") else default_max_tokens,
+        stop=list(sp.stop),
+        stop_token_ids=[int(t) for t in sp.stop_token_ids],
+        skip_special_tokens=sp.skip_special_tokens if sp.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(sp.spaces_between_special_tokens
+                                       if sp.HasField("spaces_between_special_tokens") else True),
+        min_tokens=sp.min_new_tokens,
+        ignore_eos=sp.ignore_eos,
+        include_stop_str_in_output=sp.no_stop_trim,
+        seed=sp.seed if sp.HasField("seed") else None,
+        logprobs=logprobs,
+        detokenize=sp.detokenize if sp.HasField("detokenize") else True,
+        logit_bias=bias or None,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise _rename_error(e) from None
+
+
+# ---- prompts ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PreparedPrompt:
+    """What the engine runs for one request's input."""
+
+    token_ids: list[int]
+    text: str | None  # prompt text (the input text, the rendered chat, or original_text)
+    field: str  # the proto field the prompt came from (for error messages)
+    chat: Any = None  # the `ChatPrompt` of a chat input
+
+
+_THINKING = {
+    pb.THINKING_MODE_UNSPECIFIED: None,
+    pb.THINKING_MODE_DISABLED: False,
+    pb.THINKING_MODE_ENABLED: True,
+}
+
+
+def _json_list(text: str, field: str, *, required: bool) -> list | None:
+    if not text.strip():
+        if required:
+            raise InvalidArgument(field, "is empty")
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(field, f"is not valid JSON: {e}") from None
+    if not isinstance(value, list):
+        raise InvalidArgument(field, f"must be a JSON array, got {type(value).__name__}")
+    if required and not value:
+        raise InvalidArgument(field, "must hold at least one message")
+    if not all(isinstance(v, dict) for v in value):
+        raise InvalidArgument(field, "every entry must be a JSON object")
+    return value
+
+
+def chat_prompt(chat: pb.ChatInput, *, field: str, model_type: str, tokenizer) -> Any:
+    """Encode a `ChatInput` with the DeepSeek chat encoding; bad input -> InvalidArgument."""
+    from deepinfer.serve.text.chat import ChatEncodingError, prepare_chat
+
+    messages = _json_list(chat.messages_json, f"{field}.messages_json", required=True)
+    tools = _json_list(chat.tools_json, f"{field}.tools_json", required=False)
+    if chat.thinking_mode not in _THINKING:
+        raise InvalidArgument(f"{field}.thinking_mode", f"unknown value {chat.thinking_mode}")
+    thinking = _THINKING[chat.thinking_mode]
+    effort = chat.reasoning_effort.strip() or None
+    if thinking is None and effort is None:
+        thinking = False  # as LLM.chat: thinking off unless asked for
+    try:
+        return prepare_chat(messages, model_type=model_type, tokenizer=tokenizer, thinking=thinking,
+                            reasoning_effort=effort, tools=tools)
+    except (ChatEncodingError, ValueError, TypeError, KeyError) as e:
+        raise InvalidArgument(field, str(e) or type(e).__name__) from None
+
+
+def prompt_from_input(kind: str | None, value: Any, *, field_prefix: str = "", tokenizer, config,
+                      max_len: int) -> PreparedPrompt:
+    """Prompt ids for one `input` oneof member (`kind` = tokenized | text | chat | None).
+
+    Checks: not empty, ids inside the vocabulary, shorter than the context (`max_len` tokens, and
+    at least one token must be left to generate).
+    """
+    if kind is None:
+        raise InvalidArgument(f"{field_prefix}input", "one of tokenized, text or chat is required")
+    field = f"{field_prefix}{kind}"
+    vocab = config.vocab_size
+    if kind == "tokenized":
+        field = f"{field}.input_ids"
+        ids = [int(t) for t in value.input_ids]
+        if not ids:
+            raise InvalidArgument(field, "is empty")
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(field, f"id {bad} is outside the vocabulary [0, {vocab})")
+        prepared = PreparedPrompt(ids, value.original_text or None, field)
+    elif kind == "text":
+        if not value:
+            raise InvalidArgument(field, "is empty")
+        ids = [config.bos_token_id, *tokenizer.encode(value, add_special_tokens=False).ids]
+        prepared = PreparedPrompt(ids, value, field)
+    elif kind == "chat":
+        prompt = chat_prompt(value, field=field, model_type=config.model_type, tokenizer=tokenizer)
+        prepared = PreparedPrompt(list(prompt.token_ids), prompt.prompt, field, prompt)
+    else:  # a newer client's input kind
+        raise InvalidArgument(f"{field_prefix}input", f"unsupported input kind {kind!r}")
+    n = len(prepared.token_ids)
+    if n >= max_len:
+        raise InvalidArgument(field, f"prompt of {n} tokens does not fit the context of {max_len} tokens "
+                                     f"(at most {max_len - 1} prompt tokens)")
+    return prepared
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+def logprobs_message(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], n_top: int) -> pb.OutputLogProbs:
+    """`OutputLogProbs` for generated tokens: each entry maps the sampled token and the top
+    alternatives to their `Logprob` (ranks from 1)."""
+    msg = pb.OutputLogProbs()
+    for token, entry in zip(token_ids, entries):
+        sampled = entry.get(int(token))
+        msg.token_ids.append(int(token))
+        msg.token_logprobs.append(float(sampled.logprob) if sampled is not None else float("nan"))
+        top = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items()
+                      if lp.rank is not None and lp.rank <= n_top))
+        msg.top_logprobs.append(pb.TopLogProbs(values=[float(v) for _, _, v in top],
+                                               token_ids=[int(t) for _, t, _ in top]))
+    return msg
+
+
+def chunk_message(request_id: str, token_ids: Sequence[int], text: str, *, prompt_tokens: int,
+                  completion_tokens: int, logprobs: Sequence[dict[int, Logprob]] | None,
+                  n_top: int | None) -> pb.GenerateResponse:
+    chunk = pb.GenerateStreamChunk(token_ids=[int(t) for t in token_ids], prompt_tokens=prompt_tokens,
+                                   completion_tokens=completion_tokens, cached_tokens=0, index=0, text=text)
+    if logprobs is not None and n_top is not None:
+        chunk.output_logprobs.CopyFrom(logprobs_message(logprobs, token_ids, n_top))
+    return pb.GenerateResponse(request_id=request_id, chunk=chunk)
+
+
+def reasoning_token_count(token_ids: Sequence[int], chat: Any) -> int:
+    """Thinking-mode chat: the tokens up to and including `</think>` (all of them without one)."""
+    if chat is None or not getattr(chat, "thinking", False):
+        return 0
+    from deepinfer.serve.text.chat import THINK_END_TOKEN_ID
+
+    ids = list(token_ids)
+    return ids.index(THINK_END_TOKEN_ID) + 1 if THINK_END_TOKEN_ID in ids else len(ids)
+
+
+def chat_output(tokenizer, chat: Any, output: RequestOutput) -> pb.ChatOutput:
+    """Parse a finished chat answer into content / reasoning / tool calls (DeepSeek encoding)."""
+    from deepinfer.serve.text.chat import ChatOutputParser
+
+    completion = output.outputs[0]
+    ids = list(completion.token_ids)
+    parser = ChatOutputParser(tokenizer, chat)
+    try:
+        if completion.finish_reason == "stop" and isinstance(completion.stop_reason, str):
+            parser.push_text(completion.text, len(ids))  # a stop string already cut the text
+        else:
+            if (completion.finish_reason == "stop" and isinstance(completion.stop_reason, int) and ids
+                    and ids[-1] == completion.stop_reason):
+                ids = ids[:-1]
+            parser.push(ids)
+        parser.finish(completion.finish_reason if completion.finish_reason in ("length", "abort") else "stop")
+        parsed = parser.result()
+    finally:
+        parser.close()
+    msg = pb.ChatOutput(content=parsed.content or "",
+                        tool_calls_json=json.dumps(parsed.tool_calls) if parsed.tool_calls else "")
+    if parsed.reasoning_content is not None:
+        msg.reasoning_content = parsed.reasoning_content
+    return msg
+
+
+def complete_message(output: RequestOutput, *, eos_token_id: int, n_top: int | None, tokenizer=None,
+                     chat: Any = None) -> pb.GenerateResponse:
+    """The final `GenerateComplete` of a finished request."""
+    completion = output.outputs[0]
+    ids = [int(t) for t in completion.token_ids]
+    msg = pb.GenerateComplete(
+        output_ids=ids,
+        finish_reason=completion.finish_reason or "abort",
+        prompt_tokens=len(output.prompt_token_ids or ()),
+        completion_tokens=len(ids),
+        cached_tokens=int(output.num_cached_tokens or 0),
+        index=0,
+        text=completion.text,
+        reasoning_tokens=reasoning_token_count(ids, chat),
+    )
+    if isinstance(completion.stop_reason, str):
+        msg.matched_stop_str = completion.stop_reason
+    elif isinstance(completion.stop_reason, int):
+        msg.matched_token_id = completion.stop_reason
+    elif completion.finish_reason == "stop" and ids and ids[-1] == eos_token_id:
+        msg.matched_token_id = eos_token_id
+    if completion.logprobs is not None and n_top is not None:
+        msg.output_logprobs.CopyFrom(logprobs_message(completion.logprobs, ids, n_top))
+    if chat is not None and tokenizer is not None:
+        msg.chat.CopyFrom(chat_output(tokenizer, chat, output))
+    return pb.GenerateResponse(request_id=output.request_id, complete=msg)

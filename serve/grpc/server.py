@@ -1,0 +1,973 @@
+"""The gRPC server: one `LLMEngine` behind `deepinfer.engine.v1.LlmEngine`, on `grpc.aio`.
+
+Threads and ownership:
+
+* The engine lives in one background thread (`EngineDriver`). It loads the model (when given a
+  loader), runs a warm-up generation that compiles the common shapes, then loops: apply the
+  queued commands (add, abort, call), run `engine.step()` while there is work, and publish what
+  each request gained. Nothing else touches the engine's mutable state.
+* The asyncio event loop runs the RPC handlers. A Generate call validates and tokenizes its input,
+  hands the request to the driver and then reads its own `asyncio.Queue`, into which the driver
+  posts (thread-safely) the token/text deltas of the live `Request` after every step, and finally
+  the `RequestOutput` that `step()` returned for it.
+* Cancellation: when the client goes away the handler is cancelled; its `finally` sends an abort,
+  which the driver applies before the next step, so the slot and pages are free at once.
+
+Health (`grpc.health.v1`, for "" and the service name): NOT_SERVING until the weights are loaded
+and the warm-up generation finished, SERVING after, NOT_SERVING again from the moment a drain
+starts. Server reflection lists the engine, health and reflection services.
+
+Limits (`ServerSettings`): message size (both directions), Generate streams in flight
+(`max_concurrent_streams`) and requests queued beyond the cache slots (`max_queue`); over either
+limit a Generate call gets RESOURCE_EXHAUSTED. Optional TLS and an optional bearer token checked
+on every RPC by a server interceptor (the health service can stay open).
+
+Shutdown (`GrpcServer.shutdown`, SIGTERM in `deepinfer serve`): health NOT_SERVING, new Generate
+calls get UNAVAILABLE, in-flight streams get `grace` seconds to finish, the rest are aborted (they
+end with finish_reason "abort"), then the transport stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import grpc
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health as health_lib
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from deepinfer.serve.api.types import RequestOutput, SamplingParams
+from deepinfer.serve.engine.cache import AdmissionError
+from deepinfer.serve.grpc import convert
+from deepinfer.serve.grpc import deepinfer_engine_pb2 as pb
+from deepinfer.serve.grpc.metrics import ServerMetrics
+
+__all__ = [
+    "BearerTokenInterceptor",
+    "EngineDriver",
+    "GrpcServer",
+    "LoadedModel",
+    "SERVICE_NAME",
+    "ServerSettings",
+    "ServerThread",
+]
+
+log = logging.getLogger("deepinfer.grpc")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LlmEngine"].full_name  # deepinfer.engine.v1.LlmEngine
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+LOADING, READY, DRAINING, FAILED, STOPPED = "LOADING", "SERVING", "DRAINING", "FAILED", "STOPPED"
+
+
+# ---- configuration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the server listens and what it allows.
+
+    host / port: where to listen (port 0 picks a free one); loopback only unless told otherwise.
+    max_message_bytes: largest request and response message, both directions.
+    max_concurrent_streams: Generate calls in flight, server-wide.
+    max_queue: requests in flight beyond the engine's cache slots (waiting for a slot).
+    default_max_tokens: max_new_tokens of a request that leaves it unset (None: up to the context).
+    tls_cert / tls_key: PEM files; both or neither.
+    auth_token: bearer token required in the `authorization` metadata of every RPC (None: off);
+        `auth_health` also requires it for the health service (default: health stays open).
+    shutdown_grace_s: how long a drain waits for in-flight streams before aborting them.
+    warmup: run the warm-up generation before reporting SERVING.
+    served_model_name: the name GetModelInfo reports (default: the model's).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_concurrent_streams: int = 256
+    max_queue: int = 256
+    default_max_tokens: int | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
+    auth_health: bool = False
+    shutdown_grace_s: float = 30.0
+    warmup: bool = True
+    served_model_name: str | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        for name in ("max_message_bytes", "max_concurrent_streams"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue: must be non-negative, got {self.max_queue}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens: must be at least 1, got {self.default_max_tokens}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert / tls_key: give both or neither")
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("auth_token: must not be empty")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s: must be non-negative, got {self.shutdown_grace_s}")
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings without secrets (for GetServerInfo)."""
+        d = asdict(self)
+        d["auth_token"] = "<set>" if self.auth_token else None
+        return d
+
+
+@dataclass
+class LoadedModel:
+    """An engine plus what GetModelInfo reports about it."""
+
+    engine: Any  # LLMEngine
+    model_name: str = "deepinfer"
+    model_path: str = ""
+    tokenizer_path: str = ""
+
+
+ModelSource = Any  # LLMEngine | LoadedModel | Callable[[], LLMEngine | LoadedModel]
+
+
+def _as_loaded(value: Any) -> LoadedModel:
+    if isinstance(value, LoadedModel):
+        return value
+    if hasattr(value, "step") and hasattr(value, "add_request"):
+        return LoadedModel(value, model_name=getattr(value.config, "name", "deepinfer"))
+    raise TypeError(f"expected an LLMEngine or a LoadedModel, got {type(value).__name__}")
+
+
+# ---- the engine thread ----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One Generate call's request, shared by its handler and the engine thread."""
+
+    rid: str
+    prompt: convert.PreparedPrompt
+    params: SamplingParams
+    want_stream: bool
+    interval: int
+    n_top: int | None
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+    # engine thread only
+    sent_tokens: int = 0
+    sent_text: int = 0
+    seen_tokens: int = 0
+    last_token_at: float | None = None
+
+
+class EngineDriver:
+    """Owns the engine in one thread: load, warm up, then step while there is work.
+
+    `on_failed` is called (from the engine thread) when loading or the warm-up fails, and when
+    `MAX_CONSECUTIVE_FAILURES` steps in a row failed (the engine is then presumed broken).
+    """
+
+    MAX_CONSECUTIVE_FAILURES = 3
+
+    def __init__(self, source: ModelSource, *, metrics: ServerMetrics, warmup: bool = True,
+                 on_ready: Callable[[], None] = lambda: None,
+                 on_failed: Callable[[BaseException], None] = lambda e: None):
+        self._source = source
+        self._metrics = metrics
+        self._warmup_enabled = warmup
+        self._on_ready = on_ready
+        self._on_failed = on_failed
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._main, name="deepinfer-engine", daemon=True)
+        self.model: LoadedModel | None = None
+        self.warmup_seconds: float | None = None
+        self.step_failures = 0
+
+    @property
+    def engine(self):
+        return None if self.model is None else self.model.engine
+
+    # -- called from other threads
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, stream: _Stream) -> None:
+        self._cmds.put(("add", stream))
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between steps; returns a Future of its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("call", (fn, future)))
+        return future
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort whatever is left, end the loop and join the thread."""
+        self._cmds.put(("stop", None))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the thread
+    def _main(self) -> None:
+        try:
+            source = self._source
+            if callable(source) and not isinstance(source, LoadedModel) and not hasattr(source, "step"):
+                source = source()
+            self.model = _as_loaded(source)
+            if self._warmup_enabled:
+                t0 = time.perf_counter()
+                self._warmup()
+                self.warmup_seconds = time.perf_counter() - t0
+                log.info("warm-up generation done in %.2f s", self.warmup_seconds)
+        except BaseException as e:  # noqa: BLE001 - reported to the server, which stays NOT_SERVING
+            log.exception("model load / warm-up failed")
+            self._on_failed(e)
+            self._reject_until_stopped(f"the model failed to load: {type(e).__name__}: {e}")
+            return
+        self._on_ready()
+        self._loop()
+
+    def _warmup(self) -> None:
+        """Greedy, temperature and top-p/top-k sampling over a short prompt: compiles the first
+        prefill bucket, the decode step of all slots and the three common sampler variants before
+        SERVING is reported."""
+        engine = self.engine
+        config = engine.config
+        prompt = [config.bos_token_id] + [1000 + 37 * i for i in range(15)]
+        for i, params in enumerate((SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=2, temperature=1.0, seed=0, ignore_eos=True),
+                                    SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=40,
+                                                   seed=0, ignore_eos=True))):
+            rid = f"__warmup-{uuid.uuid4().hex}-{i}"
+            engine.add_request(rid, prompt, params)
+            steps = 0
+            while engine.has_unfinished():
+                engine.step()
+                steps += 1
+                if steps > 100:
+                    engine.abort(rid)
+                    raise RuntimeError("warm-up generation did not finish in 100 steps")
+
+    def _reject_until_stopped(self, message: str) -> None:
+        while True:
+            cmd, arg = self._cmds.get()
+            if cmd == "stop":
+                return
+            if cmd == "add":
+                self._post(arg, ("error", message))
+            elif cmd == "call":
+                arg[1].set_exception(RuntimeError(message))
+
+    def _loop(self) -> None:
+        engine = self.engine
+        consecutive = 0
+        while True:
+            stage = "step"
+            try:
+                if not self._apply_commands(block=not engine.has_unfinished()):
+                    return
+                if not engine.has_unfinished():
+                    continue
+                outputs = engine.step()
+                stage = "publishing the step's results"
+                self._publish(outputs)
+            except Exception as e:  # noqa: BLE001 - reported in-band to every stream in flight
+                log.exception("engine %s failed", stage)
+                self.step_failures += 1
+                consecutive += 1
+                self._fail_all(f"engine {stage} failed: {type(e).__name__}: {e}")
+                if consecutive == self.MAX_CONSECUTIVE_FAILURES:  # e.g. the device cache is gone
+                    self._on_failed(RuntimeError(f"{consecutive} engine steps failed in a row; last: {e}"))
+            else:
+                consecutive = 0
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for the first one when `block`); False on stop."""
+        while True:
+            try:
+                cmd, arg = self._cmds.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd == "add":
+                self._add(arg)
+            elif cmd == "abort":
+                self._abort(arg)
+            elif cmd == "call":
+                fn, future = arg
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except BaseException as e:  # noqa: BLE001
+                        future.set_exception(e)
+            elif cmd == "stop":
+                for rid in list(self._streams):
+                    self._abort(rid)
+                return False
+
+    def _add(self, stream: _Stream) -> None:
+        try:
+            self.engine.add_request(stream.rid, stream.prompt.token_ids, stream.params, prompt=stream.prompt.text)
+        except AdmissionError as e:  # the prompt can never fit
+            self._post(stream, ("rejected", f"{stream.prompt.field}: {e}"))
+            return
+        except ValueError as e:  # the engine's own validation ("<field>: ...")
+            self._post(stream, ("rejected", str(e)))
+            return
+        except Exception as e:  # noqa: BLE001
+            log.exception("add_request failed")
+            self._post(stream, ("error", f"add_request failed: {type(e).__name__}: {e}"))
+            return
+        self._streams[stream.rid] = stream
+
+    def _abort(self, rid: str) -> None:
+        stream = self._streams.pop(rid, None)
+        try:
+            output = self.engine.abort(rid)
+        except Exception as e:  # noqa: BLE001
+            log.exception("abort of %s failed", rid)
+            if stream is not None:
+                self._post(stream, ("error", f"abort failed: {type(e).__name__}: {e}"))
+            return
+        if stream is not None and output is not None:
+            self._final(stream, output, time.monotonic())
+
+    def _fail_all(self, message: str) -> None:
+        engine = self.engine
+        for rid, stream in list(self._streams.items()):
+            try:
+                request = engine.requests.get(rid)
+                if request is not None and request.finished:  # finished inside the failed step
+                    engine.scheduler.finish(request)
+                    engine.requests.pop(rid, None)
+                else:
+                    engine.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort: the stream gets the error either way
+                log.exception("abort of %s after a failed step failed", rid)
+            self._metrics.error()
+            self._post(stream, ("error", message))
+        self._streams.clear()
+
+    def _count_tokens(self, stream: _Stream, n: int, now: float) -> None:
+        """Time-to-first-token and inter-token latency (per token, spread evenly over a step)."""
+        new = n - stream.seen_tokens
+        if new <= 0:
+            return
+        if stream.last_token_at is None:
+            ttft, itl = now - stream.arrival, [0.0] * (new - 1)
+        else:
+            ttft, itl = None, [(now - stream.last_token_at) / new] * new
+        self._metrics.tokens(ttft=ttft, itl=itl)
+        stream.seen_tokens = n
+        stream.last_token_at = now
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            stream = self._streams.pop(output.request_id, None)
+            if stream is not None:
+                self._final(stream, output, now)
+        requests = self.engine.requests
+        for rid, stream in self._streams.items():
+            request = requests.get(rid)
+            if request is None:
+                continue
+            n = len(request.output_ids)
+            self._count_tokens(stream, n, now)
+            if not stream.want_stream or n - stream.sent_tokens < stream.interval:
+                continue
+            ids = request.output_ids[stream.sent_tokens:n]
+            text = request.text[stream.sent_text:]
+            lps = request.logprobs[stream.sent_tokens:n] if request.logprobs is not None else None
+            stream.sent_tokens, stream.sent_text = n, len(request.text)
+            self._post(stream, ("chunk", ids, text, lps, n))
+
+    def _final(self, stream: _Stream, output: RequestOutput, now: float) -> None:
+        completion = output.outputs[0]
+        n = len(completion.token_ids)
+        self._count_tokens(stream, n, now)
+        ids = list(completion.token_ids[stream.sent_tokens:])
+        text = completion.text[stream.sent_text:]
+        lps = completion.logprobs[stream.sent_tokens:] if completion.logprobs is not None else None
+        stream.sent_tokens, stream.sent_text = n, len(completion.text)
+        m = output.metrics
+        queue_time = None
+        if m is not None and m.first_scheduled_time is not None:
+            queue_time = max(0.0, m.first_scheduled_time - m.arrival_time)
+        self._metrics.finished(completion.finish_reason or "abort", prompt_tokens=len(output.prompt_token_ids or ()),
+                               generation_tokens=n, e2e=now - stream.arrival, queue_time=queue_time)
+        self._post(stream, ("final", output, ids, text, lps))
+
+    @staticmethod
+    def _post(stream: _Stream, event: tuple) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+# ---- auth ---------------------------------------------------------------------------------------
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that only fails with `code`."""
+    kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+    async def unary(request_or_iterator, context):
+        await context.abort(code, details)
+
+    async def streaming(request_or_iterator, context):
+        await context.abort(code, details)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Require `authorization: Bearer <token>` on every RPC except the `open_prefixes` methods."""
+
+    def __init__(self, token: str, open_prefixes: tuple[str, ...] = ()):
+        if not token:
+            raise ValueError("token: must not be empty")
+        self._expected = f"Bearer {token}".encode()
+        self._open = open_prefixes
+
+    def _authorized(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key.lower() == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(self._open):
+            return handler
+        if self._authorized(handler_call_details.invocation_metadata):
+            return handler
+        missing = not any(k.lower() == "authorization" for k, _ in handler_call_details.invocation_metadata or ())
+        return _deny_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
+                             "missing bearer token (authorization metadata)" if missing else "invalid bearer token")
+
+
+# ---- the service --------------------------------------------------------------------------------
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not parse (e.g. invalid UTF-8 in a string field)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError and friends: answered INVALID_ARGUMENT
+            return _Malformed(e)
+    return deserialize
+
+
+def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+
+    def clean(v):
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        return str(v)
+
+    s.update(clean(d))
+    return s
+
+
+class GrpcServer:
+    """The asyncio gRPC server around one engine (see the module docstring).
+
+        server = GrpcServer(engine_or_loader, ServerSettings(port=0))
+        port = await server.start()        # listening; health NOT_SERVING while loading
+        await server.wait_ready()          # SERVING after the warm-up generation
+        ...
+        await server.shutdown(grace=10)    # drain, then stop
+    """
+
+    def __init__(self, model: ModelSource, settings: ServerSettings = ServerSettings()):
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self._source = model
+        self.state = LOADING
+        self.port: int | None = None
+        self.load_error: BaseException | None = None
+        self._active: dict[str, _Stream] = {}
+        self._server: grpc.aio.Server | None = None
+        self._driver: EngineDriver | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Event | None = None
+        self._failed: asyncio.Event | None = None
+        self._stopped: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._shutdown_task: asyncio.Task | None = None
+        self._started_wall = time.time()
+        self._started = time.monotonic()
+        self._last_receive = 0.0
+
+    # -- properties
+    @property
+    def engine(self):
+        return None if self._driver is None else self._driver.engine
+
+    @property
+    def driver(self) -> EngineDriver | None:
+        return self._driver
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    def capacity(self) -> int:
+        """Generate calls allowed in flight: the stream limit, or slots + queue if smaller."""
+        engine = self.engine
+        slots = engine.cache.layout.num_slots if engine is not None else 0
+        return min(self.settings.max_concurrent_streams, slots + self.settings.max_queue)
+
+    # -- lifecycle
+    async def start(self) -> int:
+        """Bind, start serving RPCs (health NOT_SERVING) and start loading; returns the port."""
+        if self._server is not None:
+            raise RuntimeError("the server is already started")
+        self._loop = asyncio.get_running_loop()
+        self._ready, self._failed, self._stopped = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        s = self.settings
+        self._health = health_lib.aio.HealthServicer()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, NOT_SERVING)
+        interceptors = []
+        if s.auth_token:
+            open_prefixes = () if s.auth_health else (f"/{HEALTH_SERVICE_NAME}/",)
+            interceptors.append(BearerTokenInterceptor(s.auth_token, open_prefixes))
+        options = [
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        # headroom above the stream limit so unary RPCs (health, abort, info) still get through
+        server = grpc.aio.server(interceptors=interceptors, options=options,
+                                 maximum_concurrent_rpcs=s.max_concurrent_streams + 64)
+        server.add_generic_rpc_handlers((self._handlers(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
+        address = f"{s.host}:{s.port}" if ":" not in s.host else f"[{s.host}]:{s.port}"
+        if s.tls_cert:
+            with open(s.tls_key, "rb") as f:
+                key = f.read()
+            with open(s.tls_cert, "rb") as f:
+                cert = f.read()
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot bind {address}")
+        await server.start()
+        self._server, self.port = server, port
+        loop = self._loop
+        self._driver = EngineDriver(
+            self._source, metrics=self.metrics, warmup=s.warmup,
+            on_ready=lambda: asyncio.run_coroutine_threadsafe(self._became_ready(), loop),
+            on_failed=lambda e: asyncio.run_coroutine_threadsafe(self._engine_failed(e), loop))
+        self._driver.start()
+        log.info("gRPC server listening on %s (%s)", f"{s.host}:{port}", "TLS" if s.tls_cert else "plaintext")
+        return port
+
+    async def _became_ready(self) -> None:
+        if self.state != LOADING:
+            return
+        self.state = READY
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, SERVING)
+        self._ready.set()
+        log.info("serving %s", self._driver.model.model_name)
+
+    async def _engine_failed(self, error: BaseException) -> None:
+        """Loading failed, or the engine broke: NOT_SERVING from now on (streams get UNAVAILABLE)."""
+        self.load_error = error
+        if self.state in (LOADING, READY):
+            self.state = FAILED
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, NOT_SERVING)
+        self._failed.set()
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once SERVING; False if loading failed (or on timeout)."""
+        waiters = [asyncio.ensure_future(self._ready.wait()), asyncio.ensure_future(self._failed.wait())]
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+        return self._ready.is_set()
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Drain (health NOT_SERVING, no new streams, `grace` seconds for the ones in flight),
+        abort what is left, stop the transport and the engine thread. Safe to call twice."""
+        if self._server is None:
+            return
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self._shutdown(grace))
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, grace: float | None) -> None:
+        grace = self.settings.shutdown_grace_s if grace is None else grace
+        self.state = DRAINING
+        await self._health.enter_graceful_shutdown()
+        log.info("draining: %d stream(s) in flight, grace %.1f s", len(self._active), grace)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=grace)
+        except asyncio.TimeoutError:
+            pass
+        if self._active:
+            log.info("aborting %d stream(s) still in flight", len(self._active))
+            for rid in list(self._active):
+                self._driver.abort(rid)
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout=5.0)
+            except asyncio.TimeoutError:
+                log.warning("%d stream(s) did not end after the abort", len(self._active))
+        await self._server.stop(grace=1.0)
+        await asyncio.to_thread(self._driver.stop, 30.0)
+        self.state = STOPPED
+        self._stopped.set()
+        log.info("gRPC server stopped")
+
+    async def run_in_engine(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` on the engine thread between steps (consistent reads of the cache, ...)."""
+        return await asyncio.wrap_future(self._driver.call(fn))
+
+    def gauges(self) -> dict[str, float]:
+        engine = self.engine
+        if engine is None:
+            return {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0, "vllm:kv_cache_usage_perc": 0.0}
+        running = len(engine.scheduler.running)
+        return {"vllm:num_requests_running": running,
+                "vllm:num_requests_waiting": max(0, len(self._active) - running),
+                "vllm:kv_cache_usage_perc": float(engine.cache.usage())}
+
+    def metrics_registry(self):
+        """A prometheus_client registry with this server's metrics (for `start_http_server`)."""
+        return self.metrics.registry(self.gauges, self._model_name())
+
+    def _model_name(self) -> str:
+        model = self._driver.model if self._driver is not None else None
+        return self.settings.served_model_name or (model.model_name if model else "deepinfer")
+
+    # -- handler plumbing
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        def unary(fn, req, resp):
+            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=_tolerant(req.FromString),
+                                                       response_serializer=resp.SerializeToString)
+
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.Generate, request_deserializer=_tolerant(pb.GenerateRequest.FromString),
+                response_serializer=pb.GenerateResponse.SerializeToString),
+            "Abort": unary(self.Abort, pb.AbortRequest, pb.AbortResponse),
+            "HealthCheck": unary(self.HealthCheck, pb.HealthCheckRequest, pb.HealthCheckResponse),
+            "GetModelInfo": unary(self.GetModelInfo, pb.GetModelInfoRequest, pb.GetModelInfoResponse),
+            "GetServerInfo": unary(self.GetServerInfo, pb.GetServerInfoRequest, pb.GetServerInfoResponse),
+            "Tokenize": unary(self.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+        })
+
+    @staticmethod
+    async def _check_parsed(request, context) -> None:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: cannot be parsed: {request.error}")
+
+    async def _require_model(self, context) -> None:
+        if self.state == LOADING:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading (health: NOT_SERVING)")
+        if self.state == FAILED:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine failed: {self.load_error}")
+        if self.state in (DRAINING, STOPPED):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+
+    async def _prepare_prompt(self, kind, value, context, field_prefix: str = "") -> convert.PreparedPrompt:
+        engine = self.engine
+        kwargs = dict(field_prefix=field_prefix, tokenizer=engine.tokenizer, config=engine.config,
+                      max_len=engine.cache.layout.max_len)
+        try:
+            if kind in ("text", "chat"):  # tokenizing / rendering: keep it off the event loop
+                return await asyncio.to_thread(convert.prompt_from_input, kind, value, **kwargs)
+            return convert.prompt_from_input(kind, value, **kwargs)
+        except convert.InvalidArgument as e:
+            self.metrics.rejected()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def _check_capacity(self, context) -> None:
+        limit = self.capacity()
+        if len(self._active) >= limit:
+            self.metrics.rejected()
+            which = ("max_concurrent_streams" if limit == self.settings.max_concurrent_streams
+                     else "max_queue (requests waiting for a cache slot)")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"server busy: {len(self._active)} requests in flight, limit {limit} ({which})")
+
+    # -- RPCs
+    async def Generate(self, request, context):
+        await self._check_parsed(request, context)
+        self._last_receive = time.time()
+        await self._require_model(context)
+        await self._check_capacity(context)
+        engine = self.engine
+        rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        for name in ("token_ids_logprob", "lora_id"):
+            if getattr(request, name):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: not supported")
+        if request.return_hidden_states:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "return_hidden_states: not supported")
+        try:
+            params = convert.sampling_params_from_proto(
+                request.sampling_params, request, vocab_size=engine.config.vocab_size,
+                default_max_tokens=self.settings.default_max_tokens)
+        except convert.InvalidArgument as e:
+            self.metrics.rejected()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        kind = request.WhichOneof("input")
+        prompt = await self._prepare_prompt(kind, getattr(request, kind) if kind else None, context)
+        # no await between these checks and the registration below
+        await self._require_model(context)
+        if rid in self._active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
+        await self._check_capacity(context)
+        sp = request.sampling_params
+        stream = _Stream(rid=rid, prompt=prompt, params=params, want_stream=request.stream,
+                         interval=sp.stream_interval if sp.HasField("stream_interval") else 1,
+                         n_top=params.logprobs, loop=asyncio.get_running_loop(), queue=asyncio.Queue())
+        self._active[rid] = stream
+        self._idle.clear()
+        self._driver.submit(stream)
+        done = False
+        try:
+            while True:
+                event = await stream.queue.get()
+                kind_ = event[0]
+                if kind_ == "chunk":
+                    _, ids, text, lps, n = event
+                    yield convert.chunk_message(rid, ids, text, prompt_tokens=len(prompt.token_ids),
+                                                completion_tokens=n, logprobs=lps, n_top=stream.n_top)
+                elif kind_ == "final":
+                    done = True
+                    _, output, ids, text, lps = event
+                    try:
+                        if stream.want_stream and (ids or text):
+                            n = len(output.outputs[0].token_ids)
+                            yield convert.chunk_message(rid, ids, text, prompt_tokens=len(prompt.token_ids),
+                                                        completion_tokens=n, logprobs=lps, n_top=stream.n_top)
+                        final = convert.complete_message(output, eos_token_id=engine.config.eos_token_id,
+                                                         n_top=stream.n_top, tokenizer=engine.tokenizer,
+                                                         chat=prompt.chat)
+                    except Exception as e:  # noqa: BLE001 - reported in-band
+                        log.exception("building the completion of %s failed", rid)
+                        self.metrics.error()
+                        yield pb.GenerateResponse(request_id=rid, error=pb.GenerateError(
+                            message=f"building the completion failed: {type(e).__name__}: {e}",
+                            http_status_code="500"))
+                        return
+                    yield final
+                    return
+                elif kind_ == "rejected":
+                    done = True
+                    self.metrics.rejected()
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, event[1])
+                else:  # "error"
+                    done = True
+                    yield pb.GenerateResponse(request_id=rid, error=pb.GenerateError(
+                        message=event[1], http_status_code="500", details="the request was aborted"))
+                    return
+        finally:
+            self._active.pop(rid, None)
+            if not done:  # cancelled by the client (or the connection dropped): free the cache now
+                self._driver.abort(rid)
+            if not self._active:
+                self._idle.set()
+
+    async def Abort(self, request, context):
+        await self._check_parsed(request, context)
+        if request.request_id not in self._active:
+            return pb.AbortResponse(success=False, message=f"no request {request.request_id!r} in flight")
+        self._driver.abort(request.request_id)
+        return pb.AbortResponse(success=True, message="abort requested")
+
+    async def HealthCheck(self, request, context):
+        await self._check_parsed(request, context)
+        healthy = self.state == READY
+        message = {LOADING: "loading", READY: "serving", DRAINING: "draining", FAILED: f"failed: {self.load_error}",
+                   STOPPED: "stopped"}[self.state]
+        return pb.HealthCheckResponse(healthy=healthy, message=message)
+
+    async def GetModelInfo(self, request, context):
+        await self._check_parsed(request, context)
+        if self.engine is None:
+            await self._require_model(context)
+        engine, model = self.engine, self._driver.model
+        config = engine.config
+        max_len = engine.cache.layout.max_len
+        return pb.GetModelInfoResponse(
+            model_path=model.model_path, tokenizer_path=model.tokenizer_path, is_generation=True,
+            preferred_sampling_params="", weight_version="", served_model_name=self._model_name(),
+            max_context_length=max_len, vocab_size=config.vocab_size, supports_vision=False,
+            model_type=config.model_type, eos_token_ids=[config.eos_token_id],
+            pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id, max_req_input_len=max_len - 1)
+
+    async def GetServerInfo(self, request, context):
+        await self._check_parsed(request, context)
+        from deepinfer import __version__
+
+        engine = self.engine
+        args: dict[str, Any] = {"server": self.settings.public_dict()}
+        info: dict[str, Any] = {}
+        running = waiting = free_pages = total_pages = free_slots = total_slots = 0
+        if engine is not None:
+            ec = engine.engine_config
+            layout = engine.cache.layout
+            args["engine"] = {"num_slots": layout.num_slots, "max_model_len": layout.max_len,
+                              "page_size": layout.page_size, "num_pages": layout.num_pages,
+                              "prefill_chunk": ec.prefill_chunk, "prefill_rows": ec.prefill_rows,
+                              "prefill_mode": ec.prefill_mode, "keep_tokens": ec.keep_tokens, "seed": ec.seed,
+                              "model_name": self._model_name(), "dtype": str(engine.config.dtype),
+                              "fake_quant": bool(engine.config.fake_quant)}
+            running = len(engine.scheduler.running)
+            waiting = max(0, len(self._active) - running)
+            free_pages, total_pages = engine.cache.pages.free, layout.num_pages
+            free_slots, total_slots = engine.cache.free_slots, layout.num_slots
+            info["warmup_seconds"] = self._driver.warmup_seconds
+            info["step_failures"] = self._driver.step_failures
+            info["num_preemptions"] = engine.scheduler.num_preemptions
+        info["metrics"] = self.metrics.snapshot(self.gauges())
+        response = pb.GetServerInfoResponse(
+            server_args=_struct(args), scheduler_info=_struct(info), active_requests=len(self._active),
+            is_paused=self.state != READY, last_receive_timestamp=self._last_receive,
+            uptime_seconds=time.monotonic() - self._started, version=__version__, server_type="grpc",
+            running_requests=running, waiting_requests=waiting, free_pages=free_pages, total_pages=total_pages,
+            free_slots=free_slots, total_slots=total_slots, serving_status=self.state)
+        response.start_time.FromSeconds(int(self._started_wall))
+        return response
+
+    async def Tokenize(self, request, context):
+        await self._check_parsed(request, context)
+        if self.engine is None:
+            await self._require_model(context)
+        kind = request.WhichOneof("input")
+        prompt = await self._prepare_prompt(kind, getattr(request, kind) if kind else None, context)
+        return pb.TokenizeResponse(input_ids=prompt.token_ids, count=len(prompt.token_ids),
+                                   prompt=prompt.text or "", max_context_length=self.engine.cache.layout.max_len)
+
+
+# ---- a server on its own event loop --------------------------------------------------------------
+
+
+class ServerThread:
+    """A `GrpcServer` on its own event loop in a daemon thread: for tests, notebooks and programs
+    that are not asyncio themselves.
+
+        with ServerThread(engine, ServerSettings(port=0)) as srv:
+            srv.wait_ready(120)
+            channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
+    """
+
+    def __init__(self, model: ModelSource, settings: ServerSettings = ServerSettings()):
+        self.server = GrpcServer(model, settings)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._main, name="deepinfer-grpc", daemon=True)
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def port(self) -> int | None:
+        return self.server.port
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._amain())
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _amain(self) -> None:
+        try:
+            await self.server.start()
+        except BaseException as e:  # noqa: BLE001 - re-raised by start()
+            self._error = e
+            self._started.set()
+            return
+        self._started.set()
+        await self.server.wait_for_termination()
+
+    def start(self, timeout: float = 60.0) -> int:
+        """Start listening (the model loads in the background); returns the port."""
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError("the gRPC server did not start")
+        if self._error is not None:
+            raise self._error
+        return self.port
+
+    def run(self, coro, timeout: float | None = None):
+        """Run a coroutine on the server's event loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self.run(self.server.wait_ready(timeout))
+
+    def in_engine(self, fn: Callable[[Any], Any], timeout: float | None = 60.0) -> Any:
+        """`fn(engine)` on the engine thread between steps."""
+        return self.server.driver.call(fn).result(timeout)
+
+    def shutdown(self, grace: float | None = None, timeout: float | None = 120.0) -> None:
+        if self._loop is None or not self._thread.is_alive():
+            return
+        self.run(self.server.shutdown(grace), timeout)
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown(grace=0)
