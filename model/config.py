@@ -229,8 +229,8 @@ def _validate(c: ModelConfig) -> None:
         _fail("expert_dtype", f"unknown expert dtype {c.expert_dtype!r}")
     if c.dtype not in ("float32", "bfloat16"):
         _fail("dtype", f"activation dtype must be float32 or bfloat16, got {c.dtype!r}")
-    if c.hidden_size % c.weight_block_size[1] or c.hidden_size % c.weight_block_size[0]:
-        _fail("weight_block_size", f"{list(c.weight_block_size)} must divide hidden_size ({c.hidden_size})")
+    if len(c.weight_block_size) != 2 or min(c.weight_block_size) < 1:
+        _fail("weight_block_size", f"must be two positive sizes, got {list(c.weight_block_size)}")
 
 
 def _validate_v41_schedule(c: ModelConfig) -> None:
