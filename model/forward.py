@@ -20,9 +20,10 @@ from deepinfer.model.params import compute_dtype
 from deepinfer.pallas_kernels.registry import KernelConfig
 
 
-def mixes(lp: dict, site: str, streams: jax.Array, config: ModelConfig):
+def mixes(lp: dict, site: str, streams: jax.Array, config: ModelConfig, kernels: KernelConfig | None = None):
     return hc_mixes(streams, lp[f"hc_{site}_fn"], lp[f"hc_{site}_base"], lp[f"hc_{site}_scale"],
-                    norm_eps=config.rms_norm_eps, hc_eps=config.hc_eps, sinkhorn_iters=config.hc_sinkhorn_iters)
+                    norm_eps=config.rms_norm_eps, hc_eps=config.hc_eps, sinkhorn_iters=config.hc_sinkhorn_iters,
+                    kernels=kernels)
 
 
 def layer_forward(lp: dict, config: ModelConfig, layer: int, streams: jax.Array, pre: jax.Array,
@@ -33,11 +34,11 @@ def layer_forward(lp: dict, config: ModelConfig, layer: int, streams: jax.Array,
     V4.1 (single-pass mHC) collapses each site with the PREVIOUS site's `pre`; V4 with its own."""
     if layer in config.engram_layer_ids:
         streams = engram(lp["engram"], config, streams, hash_ids[:, :, config.engram_layer_ids.index(layer)])
-    a_pre, a_post, a_comb = mixes(lp, "attn", streams, config)
+    a_pre, a_post, a_comb = mixes(lp, "attn", streams, config, kernels)
     x = rms_norm(hc_collapse(streams, a_pre if config.is_v4 else pre), lp["attn_norm"], config.rms_norm_eps)
     y = attention_full(lp["attn"], config, layer, x, positions, shared, kernels)
     streams = hc_expand(y, streams, a_post, a_comb)
-    f_pre, f_post, f_comb = mixes(lp, "ffn", streams, config)
+    f_pre, f_post, f_comb = mixes(lp, "ffn", streams, config, kernels)
     x = rms_norm(hc_collapse(streams, f_pre if config.is_v4 else a_pre), lp["ffn_norm"], config.rms_norm_eps)
     y = moe(lp["ffn"], config, x, token_ids=token_ids, kernels=kernels)
     return hc_expand(y, streams, f_post, f_comb), f_pre

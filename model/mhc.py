@@ -11,30 +11,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
+
 
 def hc_mixes(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
-             hc_eps: float, sinkhorn_iters: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+             hc_eps: float, sinkhorn_iters: int,
+             kernels: KernelConfig | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """streams `[..., hc, D]` -> pre `[..., hc]`, post `[..., hc]`, comb `[..., hc, hc]` (fp32).
 
-    `comb[j, k]` weighs source stream j into destination stream k."""
-    hc = streams.shape[-2]
-    flat = streams.reshape(*streams.shape[:-2], -1).astype(jnp.float32)
-    flat = flat * jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + norm_eps)
-    mixes = jnp.einsum("...i,mi->...m", flat, fn.astype(jnp.float32))
-    base = base.astype(jnp.float32)
-    scale = scale.astype(jnp.float32)
-    pre = jax.nn.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2.0 * jax.nn.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    logits = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).reshape(*mixes.shape[:-1], hc, hc)
-    comb = jax.nn.softmax(logits, axis=-1) + hc_eps
-    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + hc_eps)
-
-    def sinkhorn_pass(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
-
-    comb = jax.lax.fori_loop(0, sinkhorn_iters - 1, sinkhorn_pass, comb)
-    return pre, post, comb
+    `comb[j, k]` weighs source stream j into destination stream k. A hot op: computed by the
+    registry's `mhc_mixes` kernel (plain jnp on CPU)."""
+    return get_kernel("mhc_mixes", kernels)(streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps,
+                                            sinkhorn_iters=sinkhorn_iters)
 
 
 def hc_collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:

@@ -203,7 +203,7 @@ def forward_step(params: dict, config: ModelConfig, layout: CacheLayout, cache: 
             if layer in config.engram_layer_ids:
                 ids = batch.hash_ids[:, :, config.engram_layer_ids.index(layer)]
                 streams = engram(lp["engram"], config, streams, ids, live=valid)
-            a_pre, a_post, a_comb = mixes(lp, "attn", streams, config)
+            a_pre, a_post, a_comb = mixes(lp, "attn", streams, config, kernels)
             x = rms_norm(hc_collapse(streams, pre), lp["attn_norm"], config.rms_norm_eps)
             if in_decoder and not decoder:  # compact prefill below the floor: the KV path only
                 _source_step(lp["attn"], config, layout, layer, x, batch, valid, st)
@@ -212,7 +212,7 @@ def forward_step(params: dict, config: ModelConfig, layout: CacheLayout, cache: 
                                 decoder_valid if in_decoder else valid, ring_pos,
                                 decoder_write if in_decoder else write_idx, st, kernels, valid)
             streams = hc_expand(y, streams, a_post, a_comb)
-            f_pre, f_post, f_comb = mixes(lp, "ffn", streams, config)
+            f_pre, f_post, f_comb = mixes(lp, "ffn", streams, config, kernels)
             x = rms_norm(hc_collapse(streams, a_pre), lp["ffn_norm"], config.rms_norm_eps)
             streams = hc_expand(moe(lp["ffn"], config, x, token_ids=batch.tokens, kernels=kernels), streams,
                                 f_post, f_comb)

@@ -573,9 +573,11 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     _add_engine_options(p_batch, env)
     p_batch.set_defaults(func=cmd_run_batch)
 
+    from deepinfer.pallas_kernels.cli import add_kernels_parser
     from deepinfer.serve.grpc.cli import add_serve_parser
 
     add_serve_parser(sub)
+    add_kernels_parser(sub)
     return parser
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from deepinfer.pallas_kernels.registry import REFERENCE, register
 
 
-@register("moe_experts", REFERENCE)
+@register("moe_experts", REFERENCE, why="plain jnp: every expert on every token, dense combine weights")
 def moe_experts(x: jax.Array, combine: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
                 swiglu_limit: float) -> jax.Array:
     """x `[N, D]`, combine `[N, E]` (route weight, 0 if unselected), w1/w3 `[E, F, D]`,

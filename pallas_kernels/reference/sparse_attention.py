@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from deepinfer.pallas_kernels.registry import REFERENCE, register
 
 
-@register("sparse_attention", REFERENCE)
+@register("sparse_attention", REFERENCE, why="plain jnp: gathers the selected rows, one dense softmax")
 def sparse_attention(q: jax.Array, window_kv: jax.Array, window_mask: jax.Array, compressed_kv: jax.Array,
                      topk: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
     """One softmax over [window keys ++ selected compressed entries ++ sink], K == V.

@@ -1,0 +1,1 @@
+"""Kernel registry, Pallas kernels (interpret mode and CUDA cross-lowering) and the Ascend path."""
