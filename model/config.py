@@ -300,17 +300,27 @@ DEEPSEEK_V41_FLASH = ModelConfig(name="deepseek-v4.1-flash")
 # Every mechanism of the release schedule at small widths: SWA-only layers 0-1 (Engram on 1),
 # ratio-2 sources 2 and 4 (Engram on 4) with a Reuse layer between, the ratio-1 decoder source 5
 # that builds the candidate pool, Reuse 6, Reindex 7 and Reuse 8-9; real vocabulary and tokenizer.
-TINY_V41 = ModelConfig(
-    name="tiny-v4.1",
+# Small widths shared by the tiny presets (fp32 activations, fast on a laptop CPU).
+_TINY_WIDTHS = dict(
     hidden_size=128,
-    num_hidden_layers=10,
-    num_nextn_predict_layers=3,
     num_attention_heads=4,
     head_dim=128,
     qk_rope_head_dim=32,
     q_lora_rank=64,
     o_groups=2,
     o_lora_rank=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    max_position_embeddings=65536,
+    original_seq_len=4096,
+    dtype="float32",
+)
+
+TINY_V41 = ModelConfig(
+    name="tiny-v4.1",
+    num_hidden_layers=10,
+    num_nextn_predict_layers=3,
     sliding_window=128,
     compress_ratios=(0, 0, 2, 2, 2, 1, 1, 1, 1, 1, 0, 0, 0),
     kv_source_layer_ids=(2, 4, 5),
@@ -321,9 +331,6 @@ TINY_V41 = ModelConfig(
     index_n_heads=16,
     index_head_dim=64,
     index_topk=32,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=64,
     engram_layer_ids=(1, 4),
     engram_num_embeddings=(12458, 13416),
     engram_vocab_size=1000,
@@ -333,9 +340,7 @@ TINY_V41 = ModelConfig(
     dspark_markov_rank=16,
     dspark_n_routed_experts=8,
     dspark_num_experts_per_tok=2,
-    max_position_embeddings=65536,
-    original_seq_len=4096,
-    dtype="float32",
+    **_TINY_WIDTHS,
 )
 
 _V4_COMMON = dict(
@@ -370,27 +375,15 @@ DEEPSEEK_V4_FLASH = ModelConfig(
 # layers, per-head q norm, hc_head collapse, and the MTP block.
 TINY_V4 = ModelConfig(
     name="tiny-v4",
-    hidden_size=128,
     num_hidden_layers=6,
     num_nextn_predict_layers=1,
-    num_attention_heads=4,
-    head_dim=128,
-    qk_rope_head_dim=32,
-    q_lora_rank=64,
-    o_groups=2,
-    o_lora_rank=32,
     compress_ratios=(0, 0, 4, 128, 4, 128, 0),
     index_n_heads=16,
     index_head_dim=64,
     index_topk=32,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=64,
     num_hash_layers=2,
-    max_position_embeddings=65536,
-    original_seq_len=4096,
-    dtype="float32",
-    **{**_V4_COMMON, "weight_block_size": (128, 128)},
+    **_TINY_WIDTHS,
+    **_V4_COMMON,
 )
 
 PRESETS: dict[str, ModelConfig] = {
