@@ -1,0 +1,321 @@
+"""The engine thread of the gRPC server: the only code that touches the `LLMEngine`.
+
+It loads the model (when given a loader), runs a warm-up generation that compiles the common
+shapes, then loops: apply the queued commands (add, abort, call), run `engine.step()` while there
+is work, and post what each request gained to its stream's asyncio queue (thread-safely), then the
+final `RequestOutput`. Handlers on the event loop only talk to it through `submit`/`abort`/`call`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from deepinfer.serve.api.types import RequestOutput, SamplingParams
+from deepinfer.serve.engine.cache import AdmissionError
+from deepinfer.serve.grpc import convert
+from deepinfer.serve.grpc.metrics import ServerMetrics
+
+log = logging.getLogger("deepinfer.grpc")
+
+@dataclass
+class LoadedModel:
+    """An engine plus what GetModelInfo reports about it."""
+
+    engine: Any  # LLMEngine
+    model_name: str = "deepinfer"
+    model_path: str = ""
+    tokenizer_path: str = ""
+
+
+ModelSource = Any  # LLMEngine | LoadedModel | Callable[[], LLMEngine | LoadedModel]
+
+
+def _as_loaded(value: Any) -> LoadedModel:
+    if isinstance(value, LoadedModel):
+        return value
+    if hasattr(value, "step") and hasattr(value, "add_request"):
+        return LoadedModel(value, model_name=getattr(value.config, "name", "deepinfer"))
+    raise TypeError(f"expected an LLMEngine or a LoadedModel, got {type(value).__name__}")
+
+
+# ---- the engine thread ----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One Generate call's request, shared by its handler and the engine thread."""
+
+    rid: str
+    prompt: convert.PreparedPrompt
+    params: SamplingParams
+    want_stream: bool
+    interval: int
+    n_top: int | None
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+    # engine thread only
+    sent_tokens: int = 0
+    sent_text: int = 0
+    seen_tokens: int = 0
+    last_token_at: float | None = None
+
+
+class EngineDriver:
+    """Owns the engine in one thread: load, warm up, then step while there is work.
+
+    `on_failed` is called (from the engine thread) when loading or the warm-up fails, and when
+    `MAX_CONSECUTIVE_FAILURES` steps in a row failed (the engine is then presumed broken).
+    """
+
+    MAX_CONSECUTIVE_FAILURES = 3
+
+    def __init__(self, source: ModelSource, *, metrics: ServerMetrics, warmup: bool = True,
+                 on_ready: Callable[[], None] = lambda: None,
+                 on_failed: Callable[[BaseException], None] = lambda e: None):
+        self._source = source
+        self._metrics = metrics
+        self._warmup_enabled = warmup
+        self._on_ready = on_ready
+        self._on_failed = on_failed
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._main, name="deepinfer-engine", daemon=True)
+        self.model: LoadedModel | None = None
+        self.warmup_seconds: float | None = None
+        self.step_failures = 0
+
+    @property
+    def engine(self):
+        return None if self.model is None else self.model.engine
+
+    # -- called from other threads
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, stream: _Stream) -> None:
+        self._cmds.put(("add", stream))
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between steps; returns a Future of its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("call", (fn, future)))
+        return future
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort whatever is left, end the loop and join the thread."""
+        self._cmds.put(("stop", None))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the thread
+    def _main(self) -> None:
+        try:
+            source = self._source
+            if callable(source) and not isinstance(source, LoadedModel) and not hasattr(source, "step"):
+                source = source()
+            self.model = _as_loaded(source)
+            if self._warmup_enabled:
+                t0 = time.perf_counter()
+                self._warmup()
+                self.warmup_seconds = time.perf_counter() - t0
+                log.info("warm-up generation done in %.2f s", self.warmup_seconds)
+        except BaseException as e:  # noqa: BLE001 - reported to the server, which stays NOT_SERVING
+            log.exception("model load / warm-up failed")
+            self._on_failed(e)
+            self._reject_until_stopped(f"the model failed to load: {type(e).__name__}: {e}")
+            return
+        self._on_ready()
+        self._loop()
+
+    def _warmup(self) -> None:
+        """Greedy, temperature and top-p/top-k sampling over a short prompt: compiles the first
+        prefill bucket, the decode step of all slots and the three common sampler variants before
+        SERVING is reported."""
+        engine = self.engine
+        config = engine.config
+        prompt = [config.bos_token_id] + [1000 + 37 * i for i in range(15)]
+        for i, params in enumerate((SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                                    SamplingParams(max_tokens=2, temperature=1.0, seed=0, ignore_eos=True),
+                                    SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=40,
+                                                   seed=0, ignore_eos=True))):
+            rid = f"__warmup-{uuid.uuid4().hex}-{i}"
+            engine.add_request(rid, prompt, params)
+            steps = 0
+            while engine.has_unfinished():
+                engine.step()
+                steps += 1
+                if steps > 100:
+                    engine.abort(rid)
+                    raise RuntimeError("warm-up generation did not finish in 100 steps")
+
+    def _reject_until_stopped(self, message: str) -> None:
+        while True:
+            cmd, arg = self._cmds.get()
+            if cmd == "stop":
+                return
+            if cmd == "add":
+                self._post(arg, ("error", message))
+            elif cmd == "call":
+                arg[1].set_exception(RuntimeError(message))
+
+    def _loop(self) -> None:
+        engine = self.engine
+        consecutive = 0
+        while True:
+            stage = "step"
+            try:
+                if not self._apply_commands(block=not engine.has_unfinished()):
+                    return
+                if not engine.has_unfinished():
+                    continue
+                outputs = engine.step()
+                stage = "publishing the step's results"
+                self._publish(outputs)
+            except Exception as e:  # noqa: BLE001 - reported in-band to every stream in flight
+                log.exception("engine %s failed", stage)
+                self.step_failures += 1
+                consecutive += 1
+                self._fail_all(f"engine {stage} failed: {type(e).__name__}: {e}")
+                if consecutive == self.MAX_CONSECUTIVE_FAILURES:  # e.g. the device cache is gone
+                    self._on_failed(RuntimeError(f"{consecutive} engine steps failed in a row; last: {e}"))
+            else:
+                consecutive = 0
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for the first one when `block`); False on stop."""
+        while True:
+            try:
+                cmd, arg = self._cmds.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd == "add":
+                self._add(arg)
+            elif cmd == "abort":
+                self._abort(arg)
+            elif cmd == "call":
+                fn, future = arg
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except BaseException as e:  # noqa: BLE001
+                        future.set_exception(e)
+            elif cmd == "stop":
+                for rid in list(self._streams):
+                    self._abort(rid)
+                return False
+
+    def _add(self, stream: _Stream) -> None:
+        try:
+            self.engine.add_request(stream.rid, stream.prompt.token_ids, stream.params, prompt=stream.prompt.text)
+        except AdmissionError as e:  # the prompt can never fit
+            self._post(stream, ("rejected", f"{stream.prompt.field}: {e}"))
+            return
+        except ValueError as e:  # the engine's own validation ("<field>: ...")
+            self._post(stream, ("rejected", str(e)))
+            return
+        except Exception as e:  # noqa: BLE001
+            log.exception("add_request failed")
+            self._post(stream, ("error", f"add_request failed: {type(e).__name__}: {e}"))
+            return
+        self._streams[stream.rid] = stream
+
+    def _abort(self, rid: str) -> None:
+        stream = self._streams.pop(rid, None)
+        try:
+            output = self.engine.abort(rid)
+        except Exception as e:  # noqa: BLE001
+            log.exception("abort of %s failed", rid)
+            if stream is not None:
+                self._post(stream, ("error", f"abort failed: {type(e).__name__}: {e}"))
+            return
+        if stream is not None and output is not None:
+            self._final(stream, output, time.monotonic())
+
+    def _fail_all(self, message: str) -> None:
+        engine = self.engine
+        for rid, stream in list(self._streams.items()):
+            try:
+                request = engine.requests.get(rid)
+                if request is not None and request.finished:  # finished inside the failed step
+                    engine.scheduler.finish(request)
+                    engine.requests.pop(rid, None)
+                else:
+                    engine.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort: the stream gets the error either way
+                log.exception("abort of %s after a failed step failed", rid)
+            self._metrics.error()
+            self._post(stream, ("error", message))
+        self._streams.clear()
+
+    def _count_tokens(self, stream: _Stream, n: int, now: float) -> None:
+        """Time-to-first-token and inter-token latency (per token, spread evenly over a step)."""
+        new = n - stream.seen_tokens
+        if new <= 0:
+            return
+        if stream.last_token_at is None:
+            ttft, itl = now - stream.arrival, [0.0] * (new - 1)
+        else:
+            ttft, itl = None, [(now - stream.last_token_at) / new] * new
+        self._metrics.tokens(ttft=ttft, itl=itl)
+        stream.seen_tokens = n
+        stream.last_token_at = now
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            stream = self._streams.pop(output.request_id, None)
+            if stream is not None:
+                self._final(stream, output, now)
+        requests = self.engine.requests
+        for rid, stream in self._streams.items():
+            request = requests.get(rid)
+            if request is None:
+                continue
+            n = len(request.output_ids)
+            self._count_tokens(stream, n, now)
+            if not stream.want_stream or n - stream.sent_tokens < stream.interval:
+                continue
+            ids = request.output_ids[stream.sent_tokens:n]
+            text = request.text[stream.sent_text:]
+            lps = request.logprobs[stream.sent_tokens:n] if request.logprobs is not None else None
+            stream.sent_tokens, stream.sent_text = n, len(request.text)
+            self._post(stream, ("chunk", ids, text, lps, n))
+
+    def _final(self, stream: _Stream, output: RequestOutput, now: float) -> None:
+        completion = output.outputs[0]
+        n = len(completion.token_ids)
+        self._count_tokens(stream, n, now)
+        ids = list(completion.token_ids[stream.sent_tokens:])
+        text = completion.text[stream.sent_text:]
+        lps = completion.logprobs[stream.sent_tokens:] if completion.logprobs is not None else None
+        stream.sent_tokens, stream.sent_text = n, len(completion.text)
+        m = output.metrics
+        queue_time = None
+        if m is not None and m.first_scheduled_time is not None:
+            queue_time = max(0.0, m.first_scheduled_time - m.arrival_time)
+        self._metrics.finished(completion.finish_reason or "abort", prompt_tokens=len(output.prompt_token_ids or ()),
+                               generation_tokens=n, e2e=now - stream.arrival, queue_time=queue_time)
+        self._post(stream, ("final", output, ids, text, lps))
+
+    @staticmethod
+    def _post(stream: _Stream, event: tuple) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
