@@ -319,11 +319,14 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
             raise CliError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.prefill_chunk % 128:
         raise CliError(f"--prefill-chunk must be a multiple of 128, got {args.prefill_chunk}")
+    if args.num_pages is not None and args.num_pages < 1:
+        raise CliError(f"--num-pages must be at least 1, got {args.num_pages}")
     mode = args.prefill_mode if args.prefill_mode is not None else env.resolved_prefill_mode()
     keep = args.keep_tokens if args.keep_tokens is not None else env.resolved_keep_tokens()
     settings: dict[str, Any] = {
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs, "page_size": args.page_size,
-        "prefill_chunk": args.prefill_chunk, "fake_quant": not args.no_fake_quant, "dtype": args.dtype,
+        "prefill_chunk": args.prefill_chunk, "num_pages": args.num_pages, "fake_quant": not args.no_fake_quant,
+        "dtype": args.dtype,
         "prefill_mode": mode, "keep_tokens": keep, "seed": args.seed if args.seed is not None else 0,
     }
     if args.tokenizer is not None:
@@ -333,15 +336,19 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
-def _make_llm(args: argparse.Namespace, **extra: Any):
-    """Build the `LLM` for --model (default: the embedded tiny-v4.1); bad input -> CliError."""
-    settings = _engine_settings(args)
+def _check_model_arg(args: argparse.Namespace) -> None:
     if args.model is not None:
         from deepinfer.model import PRESETS
 
         if not os.path.isdir(args.model) and args.model not in PRESETS:
             raise CliError(f"--model {args.model!r} is neither a checkpoint directory nor a preset "
                            f"(tiny-v4.1 is the embedded one)")
+
+
+def _make_llm(args: argparse.Namespace, **extra: Any):
+    """Build the `LLM` for --model (default: the embedded tiny-v4.1); bad input -> CliError."""
+    settings = _engine_settings(args)
+    _check_model_arg(args)
     _enable_compilation_cache(args.compilation_cache)
     from deepinfer.serve.api.llm import LLM
 
@@ -489,6 +496,8 @@ def _add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
     p.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="context length (default 4096)")
     p.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="concurrent sequences (default 8)")
     p.add_argument("--page-size", type=int, default=128, metavar="N", help="tokens per cache page (default 128)")
+    p.add_argument("--num-pages", type=int, default=None, metavar="N",
+                   help="cache pages (default: every slot at --max-model-len)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                    help="most prompt tokens per prefill step, a multiple of 128 (default 512)")
     p.add_argument("--no-fake-quant", action="store_true",
@@ -576,7 +585,7 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     from deepinfer.pallas_kernels.cli import add_kernels_parser
     from deepinfer.serve.grpc.cli import add_serve_parser
 
-    add_serve_parser(sub)
+    add_serve_parser(sub, env)
     add_kernels_parser(sub)
     return parser
 

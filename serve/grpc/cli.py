@@ -29,8 +29,6 @@ from typing import Any
 
 __all__ = ["add_serve_parser", "build_settings", "run_serve"]
 
-DTYPES = ("float32", "bfloat16")
-PREFILL_MODES = ("full", "compact")
 log = logging.getLogger("deepinfer.grpc")
 
 
@@ -38,7 +36,7 @@ class _BadArgs(Exception):
     pass
 
 
-def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+def add_serve_parser(subparsers, env=None) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to an argparse subparsers object; returns its parser."""
     p = subparsers.add_parser(
         "serve", help="serve the engine over gRPC (deepinfer.engine.v1.LlmEngine, health, reflection)",
@@ -70,30 +68,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                      help="model name reported by GetModelInfo (default: the model's)")
     net.add_argument("--no-warmup", action="store_true",
                      help="report SERVING right after loading, without the warm-up generation")
-    eng = p.add_argument_group("engine")
-    eng.add_argument("--model", default=None, metavar="DIR_OR_PRESET",
-                     help="checkpoint directory (official or orbax) or tiny-v4.1 (default: the embedded "
-                          "tiny-v4.1 with random weights)")
-    eng.add_argument("--tokenizer", default=None, metavar="FILE",
-                     help="a tokenizer.json to use instead of the pinned DeepSeek-V4 one")
-    eng.add_argument("--seed", type=int, default=None, metavar="S", help="engine sampling seed (default 0)")
-    eng.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="context length (default 4096)")
-    eng.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
-                     help="concurrent sequences = cache slots (default 8)")
-    eng.add_argument("--page-size", type=int, default=128, metavar="N", help="tokens per cache page (default 128)")
-    eng.add_argument("--num-pages", type=int, default=None, metavar="N",
-                     help="cache pages (default: every slot at --max-model-len)")
-    eng.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
-                     help="most prompt tokens per prefill step, a multiple of 128 (default 512)")
-    eng.add_argument("--no-fake-quant", action="store_true",
-                     help="skip the QAT fake-quantization of KV and indexer activations")
-    eng.add_argument("--dtype", choices=DTYPES, default=None, help="activation dtype (default: the checkpoint's)")
-    eng.add_argument("--prefill-mode", choices=PREFILL_MODES, default=None,
-                     help="YOCO prefill truncation (default: the CLI's environment default, else compact)")
-    eng.add_argument("--keep-tokens", type=int, default=None, metavar="N",
-                     help="prompt rows kept for the decoder layers in compact mode (default 140)")
-    eng.add_argument("--compilation-cache", default=None, metavar="DIR",
-                     help="JAX persistent compilation cache directory")
+    from deepinfer.serve.cli import EnvDefaults, _add_engine_options  # the engine options every command shares
+
+    _add_engine_options(p.add_argument_group("engine"), env if env is not None else EnvDefaults())
     p.set_defaults(func=run_serve)
     return p
 
@@ -151,39 +128,15 @@ def build_settings(args: argparse.Namespace):
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLM(...)` keyword arguments from the engine options."""
-    for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk"):
-        if getattr(args, name) < 1:
-            raise _BadArgs(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.prefill_chunk % 128:
-        raise _BadArgs(f"--prefill-chunk must be a multiple of 128, got {args.prefill_chunk}")
-    if args.num_pages is not None and args.num_pages < 1:
-        raise _BadArgs(f"--num-pages must be at least 1, got {args.num_pages}")
-    env = getattr(args, "env", None)
-    mode, keep = args.prefill_mode, args.keep_tokens
-    try:
-        if mode is None:
-            mode = env.resolved_prefill_mode() if env is not None else "compact"
-        if keep is None:
-            keep = env.resolved_keep_tokens() if env is not None else 140
-    except Exception as e:  # the CLI's CliError for a bad environment value
-        raise _BadArgs(str(e)) from None
-    kwargs: dict[str, Any] = dict(
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, page_size=args.page_size,
-        num_pages=args.num_pages, prefill_chunk=args.prefill_chunk, fake_quant=not args.no_fake_quant,
-        dtype=args.dtype, prefill_mode=mode, keep_tokens=keep, seed=args.seed if args.seed is not None else 0,
-        log_stats_interval=None)
-    if args.tokenizer is not None:
-        if not os.path.isfile(args.tokenizer):
-            raise _BadArgs(f"--tokenizer: {args.tokenizer!r} does not exist")
-        kwargs["tokenizer"] = args.tokenizer
-    if args.model is not None and not os.path.isdir(args.model):
-        from deepinfer.model import PRESETS
+    """`LLM(...)` keyword arguments from the engine options (shared with `deepinfer generate`)."""
+    from deepinfer.serve.cli import CliError, _check_model_arg, _engine_settings
 
-        if args.model not in PRESETS:
-            raise _BadArgs(f"--model {args.model!r} is neither a checkpoint directory nor a preset "
-                           f"(tiny-v4.1 is the embedded one)")
-    return kwargs
+    try:
+        kwargs = _engine_settings(args)
+        _check_model_arg(args)
+    except CliError as e:
+        raise _BadArgs(str(e)) from None
+    return {**kwargs, "log_stats_interval": None}
 
 
 def _loader(args: argparse.Namespace, kwargs: dict[str, Any]):
@@ -192,13 +145,10 @@ def _loader(args: argparse.Namespace, kwargs: dict[str, Any]):
     def load():
         from deepinfer.model.tokenizer import tokenizer_path
         from deepinfer.serve.api.llm import LLM
+        from deepinfer.serve.cli import _enable_compilation_cache
         from deepinfer.serve.grpc.server import LoadedModel
 
-        if args.compilation_cache:
-            import jax
-
-            jax.config.update("jax_compilation_cache_dir", os.path.abspath(args.compilation_cache))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        _enable_compilation_cache(args.compilation_cache)
         llm = LLM(args.model, **kwargs)
         tok_path = os.path.abspath(args.tokenizer) if args.tokenizer else str(tokenizer_path())
         return LoadedModel(llm.engine, model_name=str(llm.model_name), model_path=str(llm.model_dir),
