@@ -41,7 +41,8 @@ echo
 echo "== kernel tests on the GPU (compiled Pallas-Triton vs jnp reference) =="
 DEEPINFER_KERNELS_ON_DEVICE=1 JAX_DEFAULT_MATMUL_PRECISION=highest \
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/kernels/test_sparse_attention_kernel.py tests/kernels/test_mhc_kernel.py -rs
+    tests/kernels/test_sparse_attention_kernel.py tests/kernels/test_mhc_kernel.py tests/kernels/test_indexer_kernel.py \
+    tests/kernels/test_matmul_kernels.py tests/kernels/test_compress_store_kernel.py -rs
 rc=$?
 if [ $rc -ne 0 ]; then echo "device_check: kernel tests FAILED (exit $rc; 124 = timed out)"; status=1; fi
 

@@ -10,9 +10,16 @@ compressed entries of their KV source, chosen by their index source:
 
 `shared` carries what sources publish to later layers within one forward (entries, keys, top-k,
 candidate pool), keyed by the publishing layer id.
+
+Context parallel: with `seq` given, x and positions hold only this rank's tokens (any order,
+padding at position -1) and `seq.gather` restores the whole sequence in natural order. The
+window keys and the compressor/indexer-key input are gathered; queries, index scores, top-k and
+the attention stay local.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +28,15 @@ from deepinfer.model import compressor, indexer, qat
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers import apply_rope, compress_inv_freq, dequantize, layer_inv_freq, linear, rms_norm
 from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
+
+
+class SequenceShards(Protocol):
+    """This rank's share of a sequence split along the token axis (context parallel).
+
+    `gather(a)`: `a [B, T_local, ...]` -> `[B, T_padded, ...]`, every rank's tokens in natural
+    position order (padding slots last). Duck-typed so model/ never imports the sharding code."""
+
+    def gather(self, a: jax.Array) -> jax.Array: ...
 
 
 def query(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array):
@@ -81,34 +97,36 @@ def publish_source(p: dict, config: ModelConfig, layer: int, x: jax.Array, share
 
 
 def index_layer(p: dict, config: ModelConfig, layer: int, x: jax.Array, q_residual: jax.Array,
-                positions: jax.Array, shared: dict) -> None:
+                positions: jax.Array, shared: dict, kernels: KernelConfig | None = None) -> None:
     """An index-source layer publishes its top-k selection (and, at the candidate source, the
-    candidate pool)."""
-    src = config.kv_source(layer)
-    ratio = config.compress_ratios[layer]
-    keys = shared["index_keys", src]
-    scores = indexer.index_scores(p["indexer"], config, x, q_residual, positions, keys, ratio)
-    if layer == config.candidate_source_layer_id:
-        shared["candidates"] = indexer.candidate_blocks(
-            scores, positions, ratio, config.candidate_topk_blocks, config.candidate_block_size
-        )
-    elif config.uses_candidates(layer):
-        scores = jnp.where(shared["candidates"], scores, -jnp.inf)
-    shared["topk", layer] = indexer.select_topk(scores, config.index_topk)
+    candidate pool), through the `index_topk` kernel op (`kernels=None`: the platform default)."""
+    topk, pool = indexer.select(p["indexer"], config, layer, x, q_residual, positions, shared, kernels)
+    if pool is not None:
+        shared["candidates"] = pool
+    shared["topk", layer] = topk
 
 
 def attention_full(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array, shared: dict,
-                   kernels: KernelConfig | None = None) -> jax.Array:
-    """Attention sublayer over a whole sequence: x `[B, T, D]` (attn-normed), positions `[B, T]`."""
+                   kernels: KernelConfig | None = None, seq: SequenceShards | None = None) -> jax.Array:
+    """Attention sublayer over a whole sequence: x `[B, T, D]` (attn-normed), positions `[B, T]`.
+
+    With `seq` (context parallel) x/positions are this rank's tokens: the window keys and their
+    positions are gathered (the mask is position-based, so local queries see exactly their
+    window), and the compressor/indexer keys are computed from the gathered natural-order x,
+    replicated on every rank. That recomputation is exact and cheap next to attention; the
+    price is one all-gather of x and of the window KV per layer."""
     q, q_residual, kv = query_and_window_kv(p, config, layer, x, positions)
     B, T, _ = x.shape
+    k_pos = positions
+    if seq is not None:
+        kv, k_pos = seq.gather(kv), seq.gather(positions)
     entries = jnp.zeros((B, 0, config.head_dim), kv.dtype)
     topk = jnp.zeros((B, T, 0), jnp.int32)
     kind = config.layer_kind(layer)
     if config.owns_compressor(layer):
-        publish_source(p, config, layer, x, shared)
+        publish_source(p, config, layer, x if seq is None else seq.gather(x), shared)
     if kind in ("full", "reindex", "csa"):
-        index_layer(p, config, layer, x, q_residual, positions, shared)
+        index_layer(p, config, layer, x, q_residual, positions, shared, kernels)
     if kind != "swa":
         entries = shared["entries", config.kv_source(layer)]
         if kind == "hca":
@@ -116,6 +134,6 @@ def attention_full(p: dict, config: ModelConfig, layer: int, x: jax.Array, posit
         else:
             topk = shared["topk", config.index_source(layer)]
     attend = get_kernel("sparse_attention", kernels)
-    o = attend(q, kv, window_mask(positions, positions, config.sliding_window), entries, topk,
+    o = attend(q, kv, window_mask(positions, k_pos, config.sliding_window), entries, topk,
                p["attn_sink"], config.head_dim ** -0.5)
     return output_projection(p, config, layer, o, positions)

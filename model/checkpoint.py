@@ -249,7 +249,7 @@ def _default_mesh(mesh):
         return mesh
     from deepinfer.sharding.mesh import make_mesh
 
-    return make_mesh("dp=1", devices=jax.devices()[:1])
+    return make_mesh("dp=1", devices=jax.local_devices()[:1])
 
 
 def load_checkpoint(directory: str | os.PathLike, mesh=None, *, dequantize: bool = False,

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer.model.attention import attention_full
+from deepinfer.model.attention import SequenceShards, attention_full
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.engram import engram
 from deepinfer.model.layers import gather_rows, linear, rms_norm
@@ -28,15 +28,16 @@ def mixes(lp: dict, site: str, streams: jax.Array, config: ModelConfig, kernels:
 
 def layer_forward(lp: dict, config: ModelConfig, layer: int, streams: jax.Array, pre: jax.Array,
                   positions: jax.Array, token_ids: jax.Array, hash_ids: jax.Array | None, shared: dict,
-                  kernels: KernelConfig | None) -> tuple[jax.Array, jax.Array]:
+                  kernels: KernelConfig | None, seq: SequenceShards | None = None) -> tuple[jax.Array, jax.Array]:
     """One block: [Engram] -> attention site -> FFN site. Returns (streams, this FFN site's pre).
+    `seq`: context-parallel shards (see `attention_full`); only attention mixes tokens.
 
     V4.1 (single-pass mHC) collapses each site with the PREVIOUS site's `pre`; V4 with its own."""
     if layer in config.engram_layer_ids:
         streams = engram(lp["engram"], config, streams, hash_ids[:, :, config.engram_layer_ids.index(layer)])
     a_pre, a_post, a_comb = mixes(lp, "attn", streams, config, kernels)
     x = rms_norm(hc_collapse(streams, a_pre if config.is_v4 else pre), lp["attn_norm"], config.rms_norm_eps)
-    y = attention_full(lp["attn"], config, layer, x, positions, shared, kernels)
+    y = attention_full(lp["attn"], config, layer, x, positions, shared, kernels, seq)
     streams = hc_expand(y, streams, a_post, a_comb)
     f_pre, f_post, f_comb = mixes(lp, "ffn", streams, config, kernels)
     x = rms_norm(hc_collapse(streams, f_pre if config.is_v4 else a_pre), lp["ffn_norm"], config.rms_norm_eps)
@@ -65,17 +66,21 @@ def embed_streams(params: dict, config: ModelConfig, token_ids: jax.Array) -> ja
 
 
 def backbone(params: dict, config: ModelConfig, token_ids: jax.Array, hash_ids: jax.Array | None,
-             kernels: KernelConfig | None = None) -> tuple[jax.Array, jax.Array]:
-    """All layers over `[B, T]` tokens at positions 0..T-1: (streams `[B, T, hc, D]`, last pre)."""
+             kernels: KernelConfig | None = None, *, positions: jax.Array | None = None,
+             seq: SequenceShards | None = None) -> tuple[jax.Array, jax.Array]:
+    """All layers over `[B, T]` tokens at positions 0..T-1: (streams `[B, T, hc, D]`, last pre).
+
+    Context parallel passes this rank's `positions` (-1 = padding) and `seq` (`attention_full`)."""
     B, T = token_ids.shape
     streams = embed_streams(params, config, token_ids)
     pre = jax.nn.one_hot(jnp.zeros((B, T), jnp.int32), config.hc_mult, dtype=jnp.float32)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     shared: dict = {}
     for layer in range(config.num_hidden_layers):
         with jax.named_scope(f"layer_{layer}"):
             streams, pre = layer_forward(params["layers"][layer], config, layer, streams, pre, positions,
-                                         token_ids, hash_ids, shared, kernels)
+                                         token_ids, hash_ids, shared, kernels, seq)
     return streams, pre
 
 

@@ -6,6 +6,10 @@ compressor (`compressor.compress_full_v4`). Every index-source layer scores its 
 its source's keys: `s[t] = sum_h w_h * relu(q_h . k_t) / sqrt(d)`, invisible entries -inf. The
 candidate-source layer (20 in the release) also selects a pool of 8-entry blocks that later
 Reindex layers are restricted to.
+
+The scoring and selection math lives in `pallas_kernels/reference/indexer.py` (the `index_topk`
+kernel op's reference); this module computes the op's inputs and reaches the op through the
+kernel registry, so a GPU kernel can replace it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import jax.numpy as jnp
 from deepinfer.model import qat
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers import apply_rope, compress_inv_freq, linear, rms_norm
+from deepinfer.pallas_kernels.reference import indexer as reference
+from deepinfer.pallas_kernels.reference.indexer import candidate_blocks, select_topk  # noqa: F401 (model API)
+from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
 
 def index_keys(p: dict, config: ModelConfig, latent: jax.Array, positions: jax.Array) -> jax.Array:
@@ -23,48 +30,41 @@ def index_keys(p: dict, config: ModelConfig, latent: jax.Array, positions: jax.A
     return qat.index_vector(apply_rope(k, positions, compress_inv_freq(config)), config)
 
 
-def index_scores(p: dict, config: ModelConfig, x: jax.Array, q_residual: jax.Array, positions: jax.Array,
-                 keys: jax.Array, ratio: int) -> jax.Array:
-    """x `[B, T, D]` (attn-normed), q_residual `[B, T, q_lora]`, keys `[B, R, d]` -> `[B, T, R]`
-    fp32 scores with entries not yet visible to each query (e >= (pos+1)//ratio) at -inf."""
+def index_queries(p: dict, config: ModelConfig, x: jax.Array, q_residual: jax.Array,
+                  positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The weighted part of the indexer: x `[B, T, D]` (attn-normed), q_residual `[B, T, q_lora]`
+    -> index queries `[B, T, H, d]` (rotated, fake-quantized) and fp32 head weights `[B, T, H]`
+    (times `H**-0.5`), the inputs of the `index_topk` kernel op."""
     B, T, _ = x.shape
     nh, d = config.index_n_heads, config.index_head_dim
     q = linear(q_residual, p["wq_b"]).reshape(B, T, nh, d)
     q = qat.index_vector(apply_rope(q, positions, compress_inv_freq(config)), config)
-    dots = jnp.einsum("bthd,brd->bthr", q.astype(jnp.float32), keys.astype(jnp.float32))
-    dots = jax.nn.relu(dots) * d ** -0.5
     weights = linear(x, p["weights_proj"]).astype(jnp.float32) * nh ** -0.5
-    scores = jnp.einsum("bthr,bth->btr", dots, weights)
-    visible = jnp.arange(keys.shape[1])[None, None, :] < ((positions + 1) // ratio)[..., None]
-    return jnp.where(visible, scores, -jnp.inf)
+    return q, weights
 
 
-def candidate_blocks(scores: jax.Array, positions: jax.Array, ratio: int, top_blocks: int,
-                     block_size: int) -> jax.Array:
-    """Level one: keep the `top_blocks` best blocks of `block_size` entries (block score = max),
-    the block holding the query's newest visible entry always kept. Returns a bool mask like
-    `scores`."""
-    B, T, R = scores.shape
-    pad = -R % block_size
-    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
-    n_blocks = (R + pad) // block_size
-    block_scores = jnp.max(padded.reshape(B, T, n_blocks, block_size), axis=-1)
-    newest = ((positions + 1) // ratio - 1) // block_size  # -1 when nothing is visible
-    block_scores = jnp.where(jnp.arange(n_blocks) == newest[..., None], jnp.inf, block_scores)
-    k = min(top_blocks, n_blocks)
-    values, idx = jax.lax.top_k(block_scores, k)
-    keep = jnp.zeros((B, T, n_blocks), bool)
-    keep = keep.at[jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None], idx].set(values > -jnp.inf)
-    return jnp.repeat(keep, block_size, axis=-1)[..., :R]
+def index_scores(p: dict, config: ModelConfig, x: jax.Array, q_residual: jax.Array, positions: jax.Array,
+                 keys: jax.Array, ratio: int) -> jax.Array:
+    """x `[B, T, D]` (attn-normed), q_residual `[B, T, q_lora]`, keys `[B, R, d]` -> `[B, T, R]`
+    fp32 scores with entries not yet visible to each query (e >= (pos+1)//ratio) at -inf."""
+    q, weights = index_queries(p, config, x, q_residual, positions)
+    return reference.index_scores(q, weights, keys, positions, ratio)
 
 
-def select_topk(scores: jax.Array, k: int) -> jax.Array:
-    """Top-`k` entry indices per query, `-1` where fewer than `k` entries are selectable."""
-    if k == 0 or scores.shape[-1] == 0:
-        return jnp.zeros((*scores.shape[:-1], 0), jnp.int32)
-    k = min(k, scores.shape[-1])
-    values, idx = jax.lax.top_k(scores, k)
-    return jnp.where(values > -jnp.inf, idx, -1).astype(jnp.int32)
+def select(p: dict, config: ModelConfig, layer: int, x: jax.Array, q_residual: jax.Array, positions: jax.Array,
+           shared: dict, kernels: KernelConfig | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """One index-source layer's selection through the `index_topk` kernel op: `(topk [B, T, K],
+    candidate pool [B, T, R] at the candidate-source layer else None)`; Reindex layers after the
+    candidate source are restricted to `shared["candidates"]`."""
+    ratio = config.compress_ratios[layer]
+    q, weights = index_queries(p, config, x, q_residual, positions)
+    candidates = shared["candidates"] if config.uses_candidates(layer) else None
+    pool = None
+    if layer == config.candidate_source_layer_id:
+        pool = (config.candidate_topk_blocks, config.candidate_block_size)
+    index_topk = get_kernel("index_topk", kernels)
+    return index_topk(q, weights, shared["index_keys", config.kv_source(layer)], positions, ratio,
+                      config.index_topk, candidates, pool)
 
 
 def dense_selection(positions: jax.Array, n_rows: int, ratio: int) -> jax.Array:

@@ -39,6 +39,17 @@ class CacheLayout:
     num_pages: int
     max_pages_per_slot: int
     storage: str = PACKED  # PACKED (fake-quant on) or FLOAT
+    # attention data-parallel ranks: slots and pages split into `dp` equal, rank-major shares;
+    # a sequence's page table holds page ids LOCAL to its rank's share
+    dp: int = 1
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.dp
+
+    @property
+    def pages_per_rank(self) -> int:
+        return self.num_pages // self.dp
 
     @property
     def max_len(self) -> int:
@@ -53,6 +64,9 @@ def check_layout(config: ModelConfig, layout: CacheLayout) -> None:
         if layout.page_size % (r * config.candidate_block_size):
             raise ValueError(f"page_size {layout.page_size} must be a multiple of ratio x candidate block "
                              f"({r} x {config.candidate_block_size})")
+    if layout.dp < 1 or layout.num_slots % layout.dp or layout.num_pages % layout.dp:
+        raise ValueError(f"num_slots ({layout.num_slots}) and num_pages ({layout.num_pages}) must be multiples "
+                         f"of the data-parallel size dp={layout.dp}")
     if layout.storage == PACKED and not config.fake_quant:
         raise ValueError("packed (FP8/FP4) cache rows are exact only with fake_quant on; use storage='float'")
 
@@ -154,6 +168,7 @@ def slot_bytes(config: ModelConfig, layout: CacheLayout) -> int:
 
 
 def reset_slots(cache: KVCache, slots: jax.Array) -> KVCache:
-    """Forget the window and pending state of `slots` (a new sequence starts there)."""
-    return dataclasses.replace(cache, window_pos=cache.window_pos.at[slots].set(-1),
-                               pending=tuple(p.at[slots].set(0.0) for p in cache.pending))
+    """Forget the window and pending state of `slots` (a new sequence starts there); slot ids
+    past the end are padding and change nothing."""
+    return dataclasses.replace(cache, window_pos=cache.window_pos.at[slots].set(-1, mode="drop"),
+                               pending=tuple(p.at[slots].set(0.0, mode="drop") for p in cache.pending))

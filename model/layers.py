@@ -13,6 +13,7 @@ import numpy as np
 from deepinfer.model import quant
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.params import FP4, FP8, FP8_ROWS, QuantWeight
+from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
@@ -33,8 +34,15 @@ def dequantize(w, dtype) -> jax.Array:
     raise ValueError(f"unknown quantized weight kind {w.kind!r}")
 
 
-def linear(x: jax.Array, w) -> jax.Array:
-    """`x @ w.T` for a weight stored `[out, in]` as in the checkpoint."""
+def linear(x: jax.Array, w, kernels: KernelConfig | None = None) -> jax.Array:
+    """`x @ w.T` for a weight stored `[out, in]` as in the checkpoint, in x's dtype.
+
+    A block-FP8 `QuantWeight` goes through the registry's `fp8_block_matmul` (the reference on
+    CPU, bit for bit the dequantize + einsum below; on a CUDA GPU a kernel that dequantizes
+    tile by tile instead of writing the dense weight to HBM). Callers need not pass `kernels`:
+    `None` is the platform's choice."""
+    if isinstance(w, QuantWeight) and w.kind == FP8:
+        return get_kernel("fp8_block_matmul", kernels)(x, w)
     return jnp.einsum("...i,oi->...o", x, dequantize(w, x.dtype))
 
 

@@ -17,19 +17,20 @@ check that for several chunkings.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from deepinfer.model import compressor, indexer, qat
+from deepinfer.model import compressor, qat
 from deepinfer.model.attention import index_layer, output_projection, query, window_kv_unquantized, window_mask
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.engram import engram
 from deepinfer.model.forward import embed_streams, final_hidden, mixes
 from deepinfer.model.kv_cache import FLOAT, CacheLayout, KVCache, decode, encode, pending_sources
-from deepinfer.model.layers import apply_rope, compress_inv_freq, linear, rms_norm
+from deepinfer.model.layers import compress_inv_freq, linear, rms_norm
 from deepinfer.model.mhc import hc_collapse, hc_expand
 from deepinfer.model.moe import moe
 from deepinfer.model.params import compute_dtype
@@ -70,11 +71,6 @@ class _State:
                        tuple(tuple(k) for k in self.index_keys), tuple(self.pending))
 
 
-def _write_rows(pool: list[jax.Array], rows: tuple[jax.Array, ...], *index) -> None:
-    for i, (array, values) in enumerate(zip(pool, rows)):
-        pool[i] = array.at[index].set(values.astype(array.dtype), mode="drop")
-
-
 def _gather_pages(pool: list[jax.Array], page_table: jax.Array) -> tuple[jax.Array, ...]:
     """A sequence's rows in logical order: `[B, max_pages * per_page, ...]`."""
     table = jnp.maximum(page_table, 0)
@@ -86,66 +82,61 @@ def _gather_pages(pool: list[jax.Array], page_table: jax.Array) -> tuple[jax.Arr
 
 
 def _source_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: int, x: jax.Array,
-                 batch: StepBatch, valid: jax.Array, st: _State) -> None:
-    """Compress the chunk at a KV source, store new entries and keys, publish the sequence's."""
+                 batch: StepBatch, valid: jax.Array, st: _State, kernels: KernelConfig | None = None) -> None:
+    """Compress the chunk at a KV source, store the new entries and indexer keys into the pages
+    FIRST (the registry's `compress_store`; a ratio-2 pair may start in the previous step: its
+    first token waits in `pending`), then publish the sequence's entries and keys."""
     ratio = config.compress_ratios[layer]
     src = config.kv_source_layer_ids.index(layer)
-    positions = batch.positions
-    if ratio == 1:
-        kv, _ = compressor.project(p["compressor"], x, 1)
-        latent = rms_norm(kv, p["compressor"]["norm"], config.rms_norm_eps)
-        emit, entry_idx, entry_pos = valid, positions, positions
-    else:
-        k = pending_sources(config).index(layer)
-        kv, gate = compressor.project(p["compressor"], x, ratio)
-        held = st.pending[k][batch.slots]  # [B, 2, hd]
-        prev_kv = jnp.concatenate([held[:, None, 0], kv[:, :-1]], axis=1)
-        prev_gate = jnp.concatenate([held[:, None, 1], gate[:, :-1]], axis=1)
-        pair_kv = jnp.stack([prev_kv, kv], axis=2)
-        weights = jax.nn.softmax(jnp.stack([prev_gate, gate], axis=2), axis=2)
-        latent = rms_norm(jnp.sum(pair_kv * weights, axis=2).astype(x.dtype), p["compressor"]["norm"],
-                          config.rms_norm_eps)
-        emit = valid & (positions % 2 == 1)
-        entry_idx, entry_pos = positions // 2, positions - 1
-        rows = jnp.arange(kv.shape[0])
-        last_pos = positions[rows, batch.last_index]
-        newest = jnp.stack([kv[rows, batch.last_index], gate[rows, batch.last_index]], axis=1)
-        st.pending[k] = st.pending[k].at[batch.slots].set(
-            jnp.where((last_pos % 2 == 0)[:, None, None], newest, held))
-    inv_freq = compress_inv_freq(config)
-    entries = apply_rope(latent, entry_pos, inv_freq)
-    keys = apply_rope(rms_norm(linear(latent, p["indexer"]["wk"]), p["indexer"]["k_norm"], config.rms_norm_eps),
-                      entry_pos, inv_freq)
-    if layout.storage == FLOAT:  # store exactly what the attention uses
-        entries, keys = qat.compressed_kv(entries, config), qat.index_vector(keys, config)
-    per_page = layout.page_size // ratio
-    logical = jnp.clip(entry_idx // per_page, 0, batch.page_table.shape[1] - 1)
-    page = batch.page_table[jnp.arange(kv.shape[0])[:, None], logical]
-    page = jnp.where(emit & (page >= 0), page, layout.num_pages)  # out of range: dropped
-    offset = entry_idx % per_page
-    _write_rows(st.entries[src], encode("entry", entries, layout.storage), page, offset)
-    _write_rows(st.index_keys[src], encode("index", keys, layout.storage), page, offset)
+    k = pending_sources(config).index(layer) if ratio > 1 else None
+    kv, gate = compressor.project(p["compressor"], x, ratio)
+    store = get_kernel("compress_store", kernels)
+    entries, keys, pending = store(
+        kv, gate, batch.positions, valid, batch.page_table, tuple(st.entries[src]), tuple(st.index_keys[src]),
+        None if k is None else st.pending[k], batch.slots, batch.last_index,
+        ratio=ratio, norm=p["compressor"]["norm"], wk=p["indexer"]["wk"], k_norm=p["indexer"]["k_norm"],
+        inv_freq=compress_inv_freq(config), eps=config.rms_norm_eps, dtype=x.dtype, storage=layout.storage,
+        fake_quant=config.fake_quant)
+    st.entries[src], st.index_keys[src] = list(entries), list(keys)
+    if k is not None:
+        st.pending[k] = pending
     dtype = compute_dtype(config)
     st.shared["entries", layer] = decode("entry", _gather_pages(st.entries[src], batch.page_table), dtype)
     st.shared["index_keys", layer] = decode("index", _gather_pages(st.index_keys[src], batch.page_table), dtype)
 
 
+class _Chunk:
+    """The step's tokens as this device holds them (`batch`) and as a whole (`whole`: natural
+    order). They differ only under context parallel (`seq`, see `model.attention.SequenceShards`),
+    where a device holds a zigzag share of each prefill chunk's queries: the window keys, the ring
+    writes and the compressor then work on the gathered chunk, the queries on the local share."""
+
+    def __init__(self, batch: StepBatch, seq=None):
+        self.batch, self.seq = batch, seq
+        self.whole = batch if seq is None else dataclasses.replace(batch, positions=seq.gather(batch.positions))
+
+    def gather(self, a: jax.Array) -> jax.Array:
+        return a if self.seq is None else self.seq.gather(a)
+
+
 def _attention_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: int, x: jax.Array,
-                    batch: StepBatch, valid: jax.Array, ring_pos: jax.Array, write_idx: jax.Array, st: _State,
+                    chunk: _Chunk, valid: jax.Array, ring_pos: jax.Array, write_idx: jax.Array, st: _State,
                     kernels: KernelConfig | None, kv_valid: jax.Array) -> jax.Array:
-    """`valid`: rows this layer runs on; `kv_valid`: rows whose compressed KV it produces (the
-    decoder source produces it for every prompt row, even below the replay floor)."""
+    """`valid`: (local) rows this layer runs on; `kv_valid`: (whole-chunk) rows whose compressed KV
+    it produces (the decoder source produces it for every prompt row, even below the replay
+    floor); `write_idx`: ring slots of the whole chunk's rows."""
+    batch = chunk.batch
     positions = batch.positions
     q, q_residual = query(p, config, layer, x, positions)
     kv_raw = window_kv_unquantized(p, config, layer, x, positions)
-    kv = qat.window_kv(kv_raw, config)
+    kv = chunk.gather(qat.window_kv(kv_raw, config))
     dtype = compute_dtype(config)
     ring = decode("window", tuple(w[layer, batch.slots] for w in st.window), dtype)
     keys = jnp.concatenate([ring, kv.astype(dtype)], axis=1)
-    key_pos = jnp.concatenate([ring_pos, positions], axis=1)
+    key_pos = jnp.concatenate([ring_pos, chunk.whole.positions], axis=1)
     mask = window_mask(positions, key_pos, config.sliding_window)
     mask = mask & valid[:, :, None] & (key_pos >= _floor(config, layer, batch)[:, None])[:, None, :]
-    stored = encode("window", kv if layout.storage == FLOAT else kv_raw, layout.storage)
+    stored = encode("window", kv if layout.storage == FLOAT else chunk.gather(kv_raw), layout.storage)
     for i, (array, values) in enumerate(zip(st.window, stored)):
         st.window[i] = array.at[layer, batch.slots[:, None], write_idx].set(values.astype(array.dtype), mode="drop")
 
@@ -154,9 +145,9 @@ def _attention_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: in
     topk = jnp.zeros((B, T, 0), jnp.int32)
     kind = config.layer_kind(layer)
     if kind == "full":
-        _source_step(p, config, layout, layer, x, batch, kv_valid, st)
+        _source_step(p, config, layout, layer, chunk.gather(x), chunk.whole, kv_valid, st, kernels)
     if kind in ("full", "reindex"):
-        index_layer(p, config, layer, x, q_residual, positions, st.shared)
+        index_layer(p, config, layer, x, q_residual, positions, st.shared, kernels)
     if kind != "swa":
         entries = st.shared["entries", config.kv_source(layer)]
         topk = st.shared["topk", config.index_source(layer)]
@@ -175,27 +166,33 @@ def _write_index(positions: jax.Array, valid: jax.Array, W: int) -> jax.Array:
     return jnp.where(valid & (positions > last_pos[:, None] - W), positions % W, W)
 
 
-@partial(jax.jit, static_argnames=("config", "layout", "all_logits", "decoder", "kernels"),
-         donate_argnames=("cache",))
-def forward_step(params: dict, config: ModelConfig, layout: CacheLayout, cache: KVCache, batch: StepBatch,
-                 all_logits: bool = False, decoder: bool = True,
-                 kernels: KernelConfig | None = None) -> tuple[KVCache, jax.Array | None]:
-    """Run the layers on the batch's chunks; returns the updated cache (donated) and fp32 logits:
-    `[B, vocab]` at each row's last token, or `[B, T, vocab]` with `all_logits`.
+def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelConfig, layout: CacheLayout,
+              all_logits: bool = False, decoder: bool = True, kernels: KernelConfig | None = None,
+              ep=None, seq=None) -> tuple[KVCache, jax.Array | None, jax.Array]:
+    """The step on one device's share (unjitted: `forward_step` jits it, the mesh step runs it
+    under `shard_map` with `ep` doing the MoE's expert-parallel exchange). Returns the updated
+    cache, fp32 logits (`[B, vocab]` at each row's last token, or `[B, T, vocab]` with
+    `all_logits`; None when `decoder=False`) and int32 `[layers, experts]` counts of the live
+    tokens routed to each logical expert (for EPLB).
 
     `decoder=False` (a prefill chunk entirely below the replay floor) runs the encoder layers
-    and only the compressed-KV path of the first decoder layer, and returns no logits."""
-    positions = batch.positions
-    valid = positions >= 0
+    and only the compressed-KV path of the first decoder layer.
+
+    `seq` (context parallel, prefill): `batch`'s tokens, positions and hash ids are this device's
+    zigzag share of every row; `seq.gather` restores whole rows (see `_Chunk`)."""
+    chunk = _Chunk(batch, seq)
+    positions, whole = batch.positions, chunk.whole.positions
+    valid, whole_valid = positions >= 0, whole >= 0
     W = config.sliding_window
     ring_pos = cache.window_pos[batch.slots]
-    write_idx = _write_index(positions, valid, W)
+    write_idx = _write_index(whole, whole_valid, W)
     decoder_valid = valid & (positions >= batch.floor[:, None])
-    decoder_write = _write_index(positions, decoder_valid, W)
+    decoder_write = _write_index(whole, whole_valid & (whole >= batch.floor[:, None]), W)
     st = _State(cache)
     streams = embed_streams(params, config, batch.tokens)
     B, T = batch.tokens.shape
     pre = jax.nn.one_hot(jnp.zeros((B, T), jnp.int32), config.hc_mult, dtype=jnp.float32)
+    counts = jnp.zeros((config.num_hidden_layers, config.n_routed_experts), jnp.int32)
     for layer in range(config.num_hidden_layers):
         lp = params["layers"][layer]
         in_decoder = layer >= config.decoder_start
@@ -206,22 +203,39 @@ def forward_step(params: dict, config: ModelConfig, layout: CacheLayout, cache: 
             a_pre, a_post, a_comb = mixes(lp, "attn", streams, config, kernels)
             x = rms_norm(hc_collapse(streams, pre), lp["attn_norm"], config.rms_norm_eps)
             if in_decoder and not decoder:  # compact prefill below the floor: the KV path only
-                _source_step(lp["attn"], config, layout, layer, x, batch, valid, st)
+                _source_step(lp["attn"], config, layout, layer, chunk.gather(x), chunk.whole, whole_valid, st, kernels)
                 break
-            y = _attention_step(lp["attn"], config, layout, layer, x, batch,
-                                decoder_valid if in_decoder else valid, ring_pos,
-                                decoder_write if in_decoder else write_idx, st, kernels, valid)
+            live = decoder_valid if in_decoder else valid
+            y = _attention_step(lp["attn"], config, layout, layer, x, chunk, live, ring_pos,
+                                decoder_write if in_decoder else write_idx, st, kernels, whole_valid)
             streams = hc_expand(y, streams, a_post, a_comb)
             f_pre, f_post, f_comb = mixes(lp, "ffn", streams, config, kernels)
             x = rms_norm(hc_collapse(streams, a_pre), lp["ffn_norm"], config.rms_norm_eps)
-            streams = hc_expand(moe(lp["ffn"], config, x, token_ids=batch.tokens, kernels=kernels), streams,
-                                f_post, f_comb)
+            y, layer_counts = moe(lp["ffn"], config, x, token_ids=batch.tokens, kernels=kernels, ep=ep,
+                                  live=live, return_counts=True)
+            counts = counts.at[layer].set(layer_counts)
+            streams = hc_expand(y, streams, f_post, f_comb)
             pre = f_pre
-    st.window_pos = st.window_pos.at[batch.slots[:, None], write_idx].set(positions, mode="drop")
+    st.window_pos = st.window_pos.at[batch.slots[:, None], write_idx].set(whole, mode="drop")
     if not decoder:
-        return st.cache(), None
-    if not all_logits:
-        rows = jnp.arange(B)
-        streams, pre = streams[rows, batch.last_index][:, None], pre[rows, batch.last_index][:, None]
-    logits = linear(final_hidden(params, config, streams, pre), params["head"]).astype(jnp.float32)
-    return st.cache(), (logits if all_logits else logits[:, 0])
+        return st.cache(), None, counts
+    rows = jnp.arange(B)
+    if seq is not None:  # the rows' last tokens live on some rank: gather the final hidden states
+        hidden = chunk.gather(final_hidden(params, config, streams, pre))
+        hidden = hidden if all_logits else hidden[rows, batch.last_index][:, None]
+    else:
+        if not all_logits:
+            streams, pre = streams[rows, batch.last_index][:, None], pre[rows, batch.last_index][:, None]
+        hidden = final_hidden(params, config, streams, pre)
+    logits = linear(hidden, params["head"]).astype(jnp.float32)
+    return st.cache(), (logits if all_logits else logits[:, 0]), counts
+
+
+@partial(jax.jit, static_argnames=("config", "layout", "all_logits", "decoder", "kernels"),
+         donate_argnames=("cache",))
+def forward_step(params: dict, config: ModelConfig, layout: CacheLayout, cache: KVCache, batch: StepBatch,
+                 all_logits: bool = False, decoder: bool = True,
+                 kernels: KernelConfig | None = None) -> tuple[KVCache, jax.Array | None, jax.Array]:
+    """`step_body` on one device, jitted with the cache donated."""
+    return step_body(params, cache, batch, config=config, layout=layout, all_logits=all_logits,
+                     decoder=decoder, kernels=kernels)

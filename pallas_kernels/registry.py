@@ -132,7 +132,7 @@ class KernelConfig:
 
 def _load_builtin() -> None:
     # Importing these modules registers their implementations.
-    from deepinfer.pallas_kernels import mhc, reference, sparse_attention  # noqa: F401
+    from deepinfer.pallas_kernels import compress_store, indexer, matmul, mhc, reference, sparse_attention  # noqa: F401
 
 
 def available(op: str) -> dict[str, Callable]:

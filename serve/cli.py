@@ -22,6 +22,10 @@ Currently read:
     DEEPINFER_COMPILATION_CACHE             default for `--compilation-cache` (JAX persistent compile cache)
     DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE  default for `--prefill-mode` (full | compact; else compact)
     DEEPINFER_YOCO_PREFILL_KEEP_TOKENS      default for `--keep-tokens` (else 140)
+    DEEPINFER_MESH                          default for `--mesh` (else one device)
+    DEEPINFER_COORDINATOR                   default for `--coordinator` (multi-process runs)
+    DEEPINFER_NUM_PROCESSES                 default for `--num-processes`
+    DEEPINFER_PROCESS_ID                    default for `--process-id`
 
 Exit codes: 0 success, 2 bad input (one line on stderr naming the problem), 130 interrupted.
 JAX and the model are imported only by the subcommands that need them, so `--help` stays fast.
@@ -61,6 +65,10 @@ class EnvDefaults:
     # raw strings, validated by the commands that use them (a bad value must not break the others)
     prefill_mode: str | None = None
     keep_tokens: str | None = None
+    mesh: str | None = None
+    coordinator: str | None = None
+    num_processes: str | None = None
+    process_id: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> EnvDefaults:
@@ -68,6 +76,10 @@ class EnvDefaults:
             compilation_cache=environ.get("DEEPINFER_COMPILATION_CACHE") or None,
             prefill_mode=environ.get(ENV_PREFILL_MODE) or None,
             keep_tokens=environ.get(ENV_KEEP_TOKENS) or None,
+            mesh=environ.get("DEEPINFER_MESH") or None,
+            coordinator=environ.get("DEEPINFER_COORDINATOR") or None,
+            num_processes=environ.get("DEEPINFER_NUM_PROCESSES") or None,
+            process_id=environ.get("DEEPINFER_PROCESS_ID") or None,
         )
 
     def resolved_prefill_mode(self) -> str:
@@ -324,6 +336,7 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     mode = args.prefill_mode if args.prefill_mode is not None else env.resolved_prefill_mode()
     keep = args.keep_tokens if args.keep_tokens is not None else env.resolved_keep_tokens()
     settings: dict[str, Any] = {
+        "mesh": args.mesh, "eplb_interval": args.eplb_interval, "eplb_slots": args.eplb_slots,
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs, "page_size": args.page_size,
         "prefill_chunk": args.prefill_chunk, "num_pages": args.num_pages, "fake_quant": not args.no_fake_quant,
         "dtype": args.dtype,
@@ -349,6 +362,7 @@ def _make_llm(args: argparse.Namespace, **extra: Any):
     """Build the `LLM` for --model (default: the embedded tiny-v4.1); bad input -> CliError."""
     settings = _engine_settings(args)
     _check_model_arg(args)
+    _start_distributed(args)
     _enable_compilation_cache(args.compilation_cache)
     from deepinfer.serve.api.llm import LLM
 
@@ -420,6 +434,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     elapsed = time.perf_counter() - t0
+    if args.json:
+        for output in outputs:
+            completion = output.outputs[0]
+            print(json.dumps({"prompt": output.prompt, "prompt_token_ids": list(output.prompt_token_ids or ()),
+                              "text": completion.text, "token_ids": list(completion.token_ids),
+                              "finish_reason": completion.finish_reason}))
+        return 0
 
     print(f"model   : {_describe_model(llm)}")
     print(f"engine  : prefill {llm.engine.engine_config.prefill_mode} (keep {llm.engine.engine_config.keep_tokens}), "
@@ -513,6 +534,45 @@ def _add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
     p.add_argument("--compilation-cache", default=env.compilation_cache, metavar="DIR",
                    help="JAX persistent compilation cache directory "
                         "(default: $DEEPINFER_COMPILATION_CACHE, else none)")
+    p.add_argument("--mesh", default=env.mesh, metavar="SPEC",
+                   help="run on a device mesh, e.g. dp=2,cp=2,tp=1 (axes dp, cp, tp; the product is the "
+                        "device count; a missing dp takes the devices left, so cp=2 on 8 devices is dp=4,cp=2), "
+                        "or auto (every device on dp) (default: $DEEPINFER_MESH, else one device)")
+    p.add_argument("--eplb-interval", type=int, default=None, metavar="STEPS",
+                   help="expert load balancing: install a new expert layout every STEPS engine steps (default: off)")
+    p.add_argument("--eplb-slots", type=int, default=None, metavar="N",
+                   help="physical expert slots per layer for EPLB (default: experts + one per device)")
+    p.add_argument("--coordinator", default=env.coordinator, metavar="HOST:PORT",
+                   help="multi-process run: process 0's coordination address (default: $DEEPINFER_COORDINATOR)")
+    p.add_argument("--num-processes", type=int, default=env.num_processes,
+                   metavar="N", help="multi-process run: number of processes (default: $DEEPINFER_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=env.process_id,
+                   metavar="I", help="multi-process run: this process's index (default: $DEEPINFER_PROCESS_ID)")
+
+
+def _start_distributed(args: argparse.Namespace) -> None:
+    """Join the multi-process runtime when --coordinator/--num-processes/--process-id are given;
+    processes other than 0 then print nothing."""
+    from deepinfer.sharding.distributed import DistributedConfig, initialize, is_primary
+
+    config = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
+    try:
+        started = initialize(config)
+    except ValueError as e:
+        raise CliError(f"--{str(e).replace('_', '-')}") from None
+    if not started:
+        return
+    # gloo's native code writes its connection notes to file descriptor 1: send that to stderr
+    # and keep stdout for our results (process 0 only)
+    sys.stdout.flush()
+    results = os.dup(1)
+    os.dup2(2, 1)
+    if is_primary():
+        sys.stdout = os.fdopen(results, "w", buffering=1)
+    else:
+        os.close(results)
+        sys.stdout = open(os.devnull, "w")
+        logging.getLogger("deepinfer").setLevel(logging.WARNING)
 
 
 def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
@@ -568,6 +628,8 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     p_gen.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
     p_gen.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K best tokens (default 0: off)")
     p_gen.add_argument("--thinking", action="store_true", help="--chat in thinking mode (default off)")
+    p_gen.add_argument("--json", action="store_true",
+                       help="print one JSON object per output (prompt, text, token ids, finish reason) instead")
     _add_engine_options(p_gen, env)
     p_gen.set_defaults(func=cmd_generate)
 

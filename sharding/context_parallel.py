@@ -42,7 +42,7 @@ import numpy as np
 
 PAD = -1  # position value written into padding slots
 
-__all__ = ["PAD", "zigzag_blocks", "contiguous_blocks", "attention_work", "balance_report"]
+__all__ = ["PAD", "zigzag_blocks", "zigzag_slots", "contiguous_blocks", "attention_work", "balance_report"]
 
 
 def _check(num_tokens: int, cp: int) -> None:
@@ -66,9 +66,20 @@ def zigzag_blocks(num_tokens: int, cp: int) -> list[np.ndarray]:
     gets block ``r`` followed by block ``2 * cp - 1 - r``.  Padding slots hold ``PAD`` (-1).
     Returns ``cp`` int64 arrays of equal length.
     """
+    slots = zigzag_slots(num_tokens, cp)
+    return np.split(np.where(slots < num_tokens, slots, PAD), cp)
+
+
+def zigzag_slots(num_tokens: int, cp: int) -> np.ndarray:
+    """The zigzag split as one rank-major array of indices into the padded natural sequence.
+
+    Slot ``i`` of the concatenated ``zigzag_blocks(num_tokens, cp)`` holds padded token
+    ``zigzag_slots(...)[i]``; indices ``>= num_tokens`` are padding.  The CP forward permutes
+    token ids with it on the host; ``cp_forward.unzigzag`` undoes it on the device.
+    """
     _check(num_tokens, cp)
-    blocks = np.split(_padded_positions(num_tokens, 2 * cp), 2 * cp)
-    return [np.concatenate([blocks[r], blocks[2 * cp - 1 - r]]) for r in range(cp)]
+    blocks = np.split(np.arange(-(-num_tokens // (2 * cp)) * (2 * cp), dtype=np.int64), 2 * cp)
+    return np.concatenate([np.concatenate([blocks[r], blocks[2 * cp - 1 - r]]) for r in range(cp)])
 
 
 def contiguous_blocks(num_tokens: int, cp: int) -> list[np.ndarray]:

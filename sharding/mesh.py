@@ -13,8 +13,9 @@ AXES = ("dp", "cp", "tp")
 
 
 def parse_mesh_spec(spec: str | dict[str, int] | None, n_devices: int) -> dict[str, int]:
-    """"dp=2,cp=2,tp=1" (or a dict) -> axis sizes; missing axes are 1, and with nothing given
-    all devices go to dp. The product must equal the device count."""
+    """"dp=2,cp=2,tp=1" (or a dict) -> axis sizes. With nothing given all devices go to dp; a
+    missing cp or tp is 1 and a missing dp takes the devices left ("cp=2" on 8 devices is
+    dp=4,cp=2). The product must equal the device count."""
     if spec is None or spec == "":
         sizes = {"dp": n_devices, "cp": 1, "tp": 1}
     else:
@@ -31,6 +32,9 @@ def parse_mesh_spec(spec: str | dict[str, int] | None, n_devices: int) -> dict[s
         unknown = sorted(set(sizes) - set(AXES))
         if unknown:
             raise ValueError(f"unknown mesh axis {unknown[0]!r}; axes are {', '.join(AXES)}")
+        if "dp" not in sizes:
+            rest = math.prod(int(sizes.get(a, 1)) for a in AXES if a != "dp")
+            sizes["dp"] = max(1, n_devices // rest) if n_devices % rest == 0 else 1
         sizes = {a: int(sizes.get(a, 1)) for a in AXES}
     product = math.prod(sizes.values())
     if product != n_devices:

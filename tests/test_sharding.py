@@ -199,9 +199,13 @@ def test_mesh_shapes():
     assert dict(make_mesh("dp=8").shape) == {"dp": 8, "cp": 1, "tp": 1}
     assert dict(make_mesh().shape) == {"dp": 8, "cp": 1, "tp": 1}
     assert parse_mesh_spec({"tp": 4, "dp": 2}, 8) == {"dp": 2, "cp": 1, "tp": 4}
+    # a missing dp takes the devices the other axes leave
+    assert parse_mesh_spec("cp=2", 8) == {"dp": 4, "cp": 2, "tp": 1}
+    assert parse_mesh_spec("cp=2,tp=2", 8) == {"dp": 2, "cp": 2, "tp": 2}
 
 
-@pytest.mark.parametrize("spec,named", [("dp=3", "dp=3"), ("dp=2,tp=2", "tp=2"), ("dp=16", "dp=16")])
+@pytest.mark.parametrize("spec,named", [("dp=3", "dp=3"), ("dp=2,tp=2", "tp=2"), ("dp=16", "dp=16"),
+                                        ("cp=3", "cp=3")])
 def test_impossible_mesh(spec, named):
     with pytest.raises(ValueError) as e:
         make_mesh(spec)

@@ -70,7 +70,7 @@ CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_f
 _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
     "prefill_chunk", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
-    "cache_dir",
+    "cache_dir", "mesh", "eplb_interval", "eplb_slots",
 )
 
 
@@ -123,6 +123,27 @@ def ensure_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> tup
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+
+def _resolve_mesh(mesh: Any):
+    """None | "auto" | "dp=2,cp=2,tp=1" | {"dp": 2, ...} | Mesh -> Mesh or None."""
+    if mesh is None:
+        return None
+    from jax.sharding import Mesh
+
+    from deepinfer.sharding import AXES, make_mesh
+
+    if isinstance(mesh, Mesh):
+        if tuple(mesh.axis_names) != AXES:
+            raise ValueError(f"mesh: axes must be {AXES}, got {tuple(mesh.axis_names)}")
+        return mesh
+    if not isinstance(mesh, (str, dict)):
+        raise ValueError(f"mesh: must be a Mesh, a spec like 'dp=2,cp=2,tp=1', a dict or 'auto', "
+                         f"got {type(mesh).__name__}")
+    try:
+        return make_mesh(None if mesh == "auto" else mesh)
+    except ValueError as e:
+        raise ValueError(f"mesh: {e}") from None
 
 
 def _unknown_argument(name: str, known: Iterable[str], what: str) -> ValueError:
@@ -227,6 +248,14 @@ class LLM:
             (at least the sliding window), "full" on every row.
         log_stats_interval: seconds between the periodic stats log lines (None: never).
         cache_dir: where the embedded default checkpoint is written / read.
+        mesh: run on many devices: a `jax.sharding.Mesh` with axes ("dp", "cp", "tp"), a spec
+            such as "dp=2,cp=2,tp=1" or a dict of axis sizes over all devices (a missing dp takes
+            the devices left), or "auto" (every device on dp). None: one device. Each sequence
+            lives on one dp rank; the routed experts split over all devices; with cp > 1 prefill
+            chunks split their queries over cp. `max_num_seqs` must be a multiple of dp.
+        eplb_interval, eplb_slots: expert load balancing while serving: every `eplb_interval`
+            steps a new layout of `eplb_slots` physical experts per layer (default: the experts plus
+            one per device) is planned from the counted load and installed; None: off.
 
     Unknown keyword arguments raise `ValueError` naming the argument.
     """
@@ -248,6 +277,9 @@ class LLM:
         keep_tokens: int = 140,
         log_stats_interval: float | None = 10.0,
         cache_dir: str | os.PathLike | None = None,
+        mesh: Any = None,
+        eplb_interval: int | None = None,
+        eplb_slots: int | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -272,6 +304,13 @@ class LLM:
                                                or isinstance(log_stats_interval, bool) or log_stats_interval < 0):
             raise ValueError(f"log_stats_interval: must be a non-negative number or None, got {log_stats_interval!r}")
 
+        if eplb_interval is not None:
+            _positive_int("eplb_interval", eplb_interval)
+        if eplb_slots is not None:
+            _positive_int("eplb_slots", eplb_slots)
+        self.mesh = _resolve_mesh(mesh)
+        if self.mesh is not None and max_num_seqs % self.mesh.shape["dp"]:
+            raise ValueError(f"max_num_seqs: {max_num_seqs} must be a multiple of the mesh's dp={self.mesh.shape['dp']}")
         directory, self.model_name = self._resolve_model(model, cache_dir)
         self.model_dir = directory
         try:
@@ -297,8 +336,9 @@ class LLM:
         budget = CacheBudget(num_slots=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
                              num_pages=num_pages)
         engine_config = EngineConfig(budget=budget, prefill_chunk=prefill_chunk, seed=seed,
-                                     prefill_mode=prefill_mode, keep_tokens=keep_tokens)
-        self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config)
+                                     prefill_mode=prefill_mode, keep_tokens=keep_tokens,
+                                     eplb_interval=eplb_interval, eplb_slots=eplb_slots)
+        self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config, mesh=self.mesh)
         self.log_stats_interval = log_stats_interval
         self._ids = itertools.count()
         self._lock = threading.Lock()

@@ -32,19 +32,24 @@ class CacheBudget:
     memory_bytes: int | None = None  # if set, num_pages = what fits after the slots' bounded state
 
 
-def make_layout(config: ModelConfig, budget: CacheBudget, storage: str | None = None) -> CacheLayout:
+def make_layout(config: ModelConfig, budget: CacheBudget, storage: str | None = None, dp: int = 1) -> CacheLayout:
+    """The cache's static shape; with `dp` > 1 slots and pages split evenly over the ranks."""
     storage = storage or (PACKED if config.fake_quant else "float")
+    if budget.num_slots % dp:
+        raise ValueError(f"max_num_seqs ({budget.num_slots}) must be a multiple of the data-parallel size dp={dp}")
     max_pages = math.ceil(budget.max_model_len / budget.page_size)
     probe = CacheLayout(budget.num_slots, budget.page_size, 1, max_pages, storage)
     if budget.memory_bytes is not None:
         free = budget.memory_bytes - budget.num_slots * slot_bytes(config, probe)
         per_page = bytes_per_token(config, probe) * budget.page_size
-        num_pages = int(free // per_page)
-        if num_pages < 1:
+        num_pages = int(free // per_page) // dp * dp
+        if num_pages < dp:
             raise AdmissionError(f"memory budget {budget.memory_bytes} B holds no page after {budget.num_slots} slots")
     else:
         num_pages = budget.num_pages or budget.num_slots * max_pages
-    return CacheLayout(budget.num_slots, budget.page_size, num_pages, max_pages, storage)
+        if num_pages % dp:
+            raise ValueError(f"num_pages ({num_pages}) must be a multiple of the data-parallel size dp={dp}")
+    return CacheLayout(budget.num_slots, budget.page_size, num_pages, max_pages, storage, dp)
 
 
 class PageAllocator:
@@ -67,14 +72,27 @@ class PageAllocator:
         self._free.extend(reversed(pages))
 
 
+class RankedPages:
+    """One page allocator per data-parallel rank (page ids are local to the rank)."""
+
+    def __init__(self, num_pages: int, dp: int):
+        self.ranks = [PageAllocator(num_pages // dp) for _ in range(dp)]
+
+    @property
+    def free(self) -> int:
+        return sum(a.free for a in self.ranks)
+
+
 class CacheManager:
-    """Slots and page tables of the running sequences."""
+    """Slots and page tables of the running sequences. Slot ids are global and rank-major
+    (rank = slot // slots_per_rank); a slot's pages come from its rank's share."""
 
     def __init__(self, config: ModelConfig, layout: CacheLayout):
         self.config = config
         self.layout = layout
-        self.pages = PageAllocator(layout.num_pages)
-        self._free_slots = list(range(layout.num_slots - 1, -1, -1))
+        self.pages = RankedPages(layout.num_pages, layout.dp)
+        per_rank = layout.slots_per_rank
+        self._free_slots = [list(range((r + 1) * per_rank - 1, r * per_rank - 1, -1)) for r in range(layout.dp)]
         self.page_table = np.full((layout.num_slots, layout.max_pages_per_slot), -1, np.int32)
         self._owned: dict[int, list[int]] = {}
 
@@ -88,13 +106,16 @@ class CacheManager:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free_slots)
+        return sum(len(f) for f in self._free_slots)
 
     def usage(self) -> float:
         return 1.0 - self.pages.free / self.layout.num_pages
 
     def pages_for(self, length: int) -> int:
         return math.ceil(length / self.layout.page_size)
+
+    def rank_of(self, slot: int) -> int:
+        return slot // self.layout.slots_per_rank
 
     def check_admissible(self, prompt_len: int, max_len: int) -> None:
         """Raise if the prompt can never run, whatever else is in the cache."""
@@ -104,19 +125,32 @@ class CacheManager:
             raise AdmissionError(
                 f"prompt of {prompt_len} tokens does not fit the context ({min(self.layout.max_len, max_len)} tokens)"
             )
-        if self.pages_for(prompt_len) > self.layout.num_pages:
-            raise AdmissionError(f"prompt of {prompt_len} tokens needs more pages than the whole cache holds")
+        if self.pages_for(prompt_len) > self.layout.pages_per_rank:
+            where = "the whole cache" if self.layout.dp == 1 else "a data-parallel rank's share of the cache"
+            raise AdmissionError(f"prompt of {prompt_len} tokens needs more pages than {where} holds")
 
     # -- ownership --
-    def can_allocate(self, length: int, slot: int | None = None) -> bool:
-        have = len(self._owned.get(slot, [])) if slot is not None else 0
-        need = self.pages_for(length) - have
-        return (slot is not None or self._free_slots) and need <= self.pages.free
+    def _best_rank(self, length: int) -> int | None:
+        """Where a new sequence goes: a rank with a free slot and room for `length` tokens, the
+        one with the most free pages, then the fewest running sequences."""
+        need = self.pages_for(length)
+        fits = [r for r in range(self.layout.dp) if self._free_slots[r] and self.pages.ranks[r].free >= need]
+        if not fits:
+            return None
+        return max(fits, key=lambda r: (self.pages.ranks[r].free, len(self._free_slots[r]), -r))
 
-    def acquire_slot(self) -> int:
-        if not self._free_slots:
+    def can_allocate(self, length: int, slot: int | None = None) -> bool:
+        if slot is None:
+            return self._best_rank(length) is not None
+        need = self.pages_for(length) - len(self._owned.get(slot, []))
+        return need <= self.pages.ranks[self.rank_of(slot)].free
+
+    def acquire_slot(self, length: int = 0) -> int:
+        """A free slot on the best rank for a sequence whose first `length` tokens must fit."""
+        rank = self._best_rank(length)
+        if rank is None:
             raise MemoryError("no free cache slot")
-        slot = self._free_slots.pop()
+        slot = self._free_slots[rank].pop()
         self._owned[slot] = []
         return slot
 
@@ -127,14 +161,14 @@ class CacheManager:
         if need > 0:
             if len(owned) + need > self.layout.max_pages_per_slot:
                 raise AdmissionError(f"sequence of {length} tokens exceeds max_model_len {self.layout.max_len}")
-            new = self.pages.alloc(need)
+            new = self.pages.ranks[self.rank_of(slot)].alloc(need)
             self.page_table[slot, len(owned):len(owned) + need] = new
             owned.extend(new)
 
     def release(self, slot: int) -> None:
-        self.pages.release(self._owned.pop(slot))
+        self.pages.ranks[self.rank_of(slot)].release(self._owned.pop(slot))
         self.page_table[slot] = -1
-        self._free_slots.append(slot)
+        self._free_slots[self.rank_of(slot)].append(slot)
 
     def owned_pages(self, slot: int) -> int:
         return len(self._owned.get(slot, []))

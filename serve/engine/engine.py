@@ -22,6 +22,7 @@ from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.api.types import Logprob, RequestOutput, SamplingParams
 from deepinfer.serve.engine import sampler
 from deepinfer.serve.engine.cache import AdmissionError, CacheBudget, CacheManager, make_layout
+from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, token_bucket
 from deepinfer.serve.engine.scheduler import Scheduler
@@ -44,12 +45,18 @@ class EngineConfig:
     # `keep_tokens` rows (model-v4.1-flash.md §4.3); "full": every layer on every row
     prefill_mode: str = "compact"
     keep_tokens: int = 140
+    # expert load balancing: every `eplb_interval` steps, a new layout of `eplb_slots` physical
+    # experts per layer (default: one extra slot per device) from the load counted since the last
+    eplb_interval: int | None = None
+    eplb_slots: int | None = None
 
     def __post_init__(self):
         if self.prefill_mode not in ("full", "compact"):
             raise ValueError(f"prefill_mode must be 'full' or 'compact', got {self.prefill_mode!r}")
         if self.keep_tokens < 1:
             raise ValueError(f"keep_tokens must be positive, got {self.keep_tokens}")
+        if self.eplb_interval is not None and self.eplb_interval < 1:
+            raise ValueError(f"eplb_interval must be positive, got {self.eplb_interval}")
 
 
 @dataclass(frozen=True)
@@ -64,16 +71,29 @@ class _RowParams:
 
 
 class LLMEngine:
-    def __init__(self, params: dict, config: ModelConfig, tokenizer, engine_config: EngineConfig = EngineConfig()):
+    def __init__(self, params: dict, config: ModelConfig, tokenizer, engine_config: EngineConfig = EngineConfig(),
+                 mesh=None):
+        """`mesh` (axes dp, cp, tp; see `deepinfer.sharding.make_mesh`): run on many devices, each
+        sequence on one dp rank, the experts split over all devices. None: one device."""
         self.config = config
         self.tokenizer = tokenizer
         self.engine_config = engine_config
         if engine_config.prefill_mode == "compact" and engine_config.keep_tokens < config.sliding_window:
             raise ValueError(f"keep_tokens ({engine_config.keep_tokens}) must cover the sliding window "
                              f"({config.sliding_window})")
-        layout = make_layout(config, engine_config.budget)
+        layout = make_layout(config, engine_config.budget, dp=1 if mesh is None else mesh.shape["dp"])
         self.cache = CacheManager(config, layout)
-        self.runner = ModelRunner(params, config, layout, engine_config.kernels)
+        self.runner = ModelRunner(params, config, layout, engine_config.kernels, mesh=mesh,
+                                  keep_logical_experts=engine_config.eplb_interval is not None)
+        self.balancer = None
+        if engine_config.eplb_interval is not None:
+            devices = 1 if mesh is None else mesh.size
+            self.balancer = ExpertBalancer(
+                config.num_hidden_layers, config.n_routed_experts,
+                engine_config.eplb_slots or config.n_routed_experts + devices, devices,
+                nodes=jax.process_count() if devices % jax.process_count() == 0 else 1,
+                interval=engine_config.eplb_interval)
+            self.runner.apply_expert_layout(*self.balancer.initial(), self.balancer.max_replicas)
         self.scheduler = Scheduler(self.cache, prefill_chunk=engine_config.prefill_chunk,
                                    prefill_rows=engine_config.prefill_rows)
         self.requests: dict[str, Request] = {}
@@ -132,7 +152,8 @@ class LLMEngine:
                 continue
             work = [ChunkWork(r.slot, np.asarray(r.all_ids[r.computed:r.computed + n], np.int32), r.computed,
                               np.asarray(r.all_ids[:r.computed], np.int32), r.floor) for r, n in group]
-            rows = 1 << (len(work) - 1).bit_length()
+            per_rank = np.bincount([self.cache.rank_of(w.slot) for w in work], minlength=1).max()
+            rows = 1 << (int(per_rank) - 1).bit_length()
             logits = self.runner.run(work, self.cache.page_table, rows=rows, decoder=decoder,
                                      tokens=token_bucket(max(len(w.tokens) for w in work)))
             for i, (request, n) in enumerate(group):
@@ -143,7 +164,7 @@ class LLMEngine:
         if plan.decode:
             work = [ChunkWork(r.slot, np.asarray(r.all_ids[-1:], np.int32), r.length - 1,
                               np.asarray(r.all_ids[:-1], np.int32), r.floor) for r in plan.decode]
-            logits = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.num_slots, tokens=1)
+            logits = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.slots_per_rank, tokens=1)
             for request, row in zip(plan.decode, logits):
                 request.computed += 1
                 to_sample.append((request, row))
@@ -151,6 +172,10 @@ class LLMEngine:
             self._sample(to_sample, finished)
         self._finish_stuck(plan, finished)
         self._step_count += 1
+        if self.balancer is not None and self.balancer.due(self._step_count):
+            layout = self.balancer.update(self.runner.expert_load)
+            if layout is not None:
+                self.runner.apply_expert_layout(*layout, self.balancer.max_replicas)
         self.stats["steps"] += 1
         outputs = []
         for request in finished:

@@ -43,19 +43,39 @@ def token_bucket(n: int, minimum: int = 128) -> int:
 
 
 class ModelRunner:
-    """Owns the params and the device cache; every step donates and replaces the cache."""
+    """Owns the params and the device cache; every step donates and replaces the cache.
 
-    def __init__(self, params: dict, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None = None):
-        self.params = params
+    With a `mesh`, the step runs shard-mapped over it (`sharding.engine_step.MeshStep`): rows
+    are grouped by their slot's dp rank and carry local slot ids. It also accumulates how many
+    tokens each layer routed to each expert (`expert_load`, for EPLB)."""
+
+    def __init__(self, params: dict, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None = None,
+                 mesh=None, keep_logical_experts: bool = False):
         self.config = config
         self.layout = layout
         self.kernels = kernels
-        self.cache = init_cache(config, layout)
+        self.mesh_step = None
+        # what EPLB layouts are built from (kept only when asked: a second copy of the experts)
+        self._logical_ffn = [lp["ffn"] for lp in params["layers"]] if keep_logical_experts else None
+        if mesh is not None:
+            from deepinfer.sharding.engine_step import MeshStep
+
+            self.mesh_step = MeshStep(mesh, config, layout, kernels)
+            self.params = self.mesh_step.place_params(params)
+            self.cache = self.mesh_step.init_cache()
+        else:
+            self.params = params
+            self.cache = init_cache(config, layout)
+        self.expert_load = np.zeros((config.num_hidden_layers, config.n_routed_experts), np.int64)
         self._compiled: set = set()
         self.compile_seconds: dict[tuple, float] = {}
 
     def reset(self, slots: list[int]) -> None:
-        if slots:
+        if not slots:
+            return
+        if self.mesh_step is not None:
+            self.cache = self.mesh_step.reset(self.cache, slots)  # global slot ids are rank-major
+        else:
             self.cache = reset_slots(self.cache, jnp.asarray(slots, jnp.int32))
 
     def _hash_ids(self, work: list[ChunkWork], T: int) -> np.ndarray | None:
@@ -74,10 +94,12 @@ class ModelRunner:
 
     def run(self, work: list[ChunkWork], page_table: np.ndarray, *, rows: int, tokens: int,
             all_logits: bool = False, decoder: bool = True) -> np.ndarray | None:
-        """Run one step over `work` padded to `rows` x `tokens`; returns fp32 logits
-        `[len(work), vocab]` at each row's last token (or `[len(work), tokens, vocab]`); None for
-        a compact-prefill chunk below the replay floor (`decoder=False`)."""
-        B, T = rows, tokens
+        """Run one step over `work` padded to `rows` rows PER dp RANK x `tokens`; returns fp32
+        logits `[len(work), vocab]` at each row's last token (or `[len(work), tokens, vocab]`),
+        in `work`'s order; None for a compact-prefill chunk below the replay floor
+        (`decoder=False`)."""
+        T, per_rank, dp = tokens, self.layout.slots_per_rank, self.layout.dp
+        B = rows * dp
         longest = max(w.start + len(w.tokens) for w in work)
         n_pages = min(self.layout.max_pages_per_slot,
                       token_bucket(-(-longest // self.layout.page_size), minimum=1))
@@ -87,32 +109,49 @@ class ModelRunner:
         last = np.zeros((B,), np.int32)
         floor = np.zeros((B,), np.int32)
         table = np.full((B, n_pages), -1, np.int32)
-        used = set()
-        for b, w in enumerate(work):
+        row_of = []
+        filled = [0] * dp
+        used: list[set[int]] = [set() for _ in range(dp)]
+        for w in work:
+            rank, local = divmod(w.slot, per_rank)
+            if filled[rank] == rows:
+                raise ValueError(f"more than {rows} rows for dp rank {rank} in one step")
+            b = rank * rows + filled[rank]
+            filled[rank] += 1
+            row_of.append(b)
             n = len(w.tokens)
             tok[b, :n] = w.tokens
             pos[b, :n] = np.arange(w.start, w.start + n)
-            slots[b] = w.slot
+            slots[b] = local
             last[b] = n - 1
             floor[b] = w.floor
             table[b] = page_table[w.slot, :n_pages]
-            used.add(w.slot)
-        # padding rows point at an unused slot with no pages: they write nothing (positions -1)
-        spare = next((s for s in range(self.layout.num_slots) if s not in used), 0)
-        slots[len(work):] = spare
+            used[rank].add(local)
+        # padding rows point at a slot of their rank that no row uses: they write nothing
+        # (positions -1) and never race a real row's scatter into the same slot
+        for rank in range(dp):
+            spare = next((s for s in range(per_rank) if s not in used[rank]), 0)
+            slots[rank * rows + filled[rank]:(rank + 1) * rows] = spare
         hash_ids = self._hash_ids(work, T)
-        if hash_ids is not None and len(work) < B:
-            hash_ids = np.concatenate([hash_ids, np.zeros((B - len(work), *hash_ids.shape[1:]), np.int32)])
-        batch = StepBatch(jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slots), jnp.asarray(table),
-                          None if hash_ids is None else jnp.asarray(hash_ids), jnp.asarray(last), jnp.asarray(floor))
+        if hash_ids is not None:
+            full = np.zeros((B, *hash_ids.shape[1:]), np.int32)
+            full[row_of] = hash_ids
+            hash_ids = full
+        batch = StepBatch(tok, pos, slots, table, hash_ids, last, floor)
         key = ("prefill" if T > 1 else "decode", B, T, n_pages, all_logits, decoder)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation(key[0]):
-            self.cache, logits = forward_step(self.params, self.config, self.layout, self.cache, batch,
-                                              all_logits=all_logits, decoder=decoder, kernels=self.kernels)
-            logits = None if logits is None else np.asarray(logits[: len(work)])
-            if logits is None:
-                jax.block_until_ready(self.cache)
+            if self.mesh_step is not None:
+                self.cache, logits, counts = self.mesh_step(self.params, self.cache, batch,
+                                                            all_logits=all_logits, decoder=decoder)
+            else:
+                batch = jax.tree.map(jnp.asarray, batch)
+                self.cache, logits, counts = forward_step(self.params, self.config, self.layout, self.cache, batch,
+                                                          all_logits=all_logits, decoder=decoder, kernels=self.kernels)
+            # pulling the results to the host each step also keeps the CPU backend's collectives
+            # from queueing up (they deadlock when too many are in flight)
+            self.expert_load += np.asarray(counts)
+            logits = None if logits is None else np.asarray(logits)[row_of]
         if key not in self._compiled:
             self._compiled.add(key)
             self.compile_seconds[key] = time.perf_counter() - start
@@ -120,6 +159,22 @@ class ModelRunner:
                      key[0], B, T, n_pages, "" if decoder else " (encoder + decoder KV path)",
                      self.compile_seconds[key])
         return logits
+
+    def apply_expert_layout(self, phy2log: np.ndarray, log2phy: np.ndarray, count: np.ndarray,
+                            max_replicas: int) -> None:
+        """Install an EPLB layout (`[layers, ...]` arrays) between steps: every layer's routed
+        experts become physical slots built from the logical weights, placed like any experts."""
+        from deepinfer.sharding.expert_placement import with_placement
+
+        if self._logical_ffn is None:
+            raise ValueError("this runner was built without keep_logical_experts=True: it cannot install EPLB layouts")
+        layers = list(self.params["layers"])
+        for layer, ffn in enumerate(self._logical_ffn):
+            new = with_placement(ffn, phy2log[layer], log2phy[layer], count[layer], max_replicas)
+            if self.mesh_step is not None:
+                new = self.mesh_step.place_params({"layers": [{"ffn": new}]})["layers"][0]["ffn"]
+            layers[layer] = {**layers[layer], "ffn": new}
+        self.params = {**self.params, "layers": layers}
 
     def runner_cache_entries(self) -> list[np.ndarray]:
         """Host copies of every source's compressed entries (first codec array), for tests."""

@@ -2,7 +2,7 @@
 next step, and who is preempted when the page pool runs short.
 
 Policy: first come, first served. Every step may run one prefill step (up to `prefill_rows`
-chunks of waiting or partly prefilled requests) and one decode step (every request that has a
+chunks per data-parallel rank of waiting or partly prefilled requests) and one decode step (every request that has a
 token to feed and nothing else). Prefill chunks start at multiples of 128 (a chunk is a
 multiple of 128 tokens except a prompt's last), so compression groups and candidate blocks
 cross chunk boundaries only through the cache. When a decode needs a page and none is free, the
@@ -56,7 +56,9 @@ class Scheduler:
             request.slot = None
 
     def _preempt(self, plan: StepPlan, keep: Request) -> bool:
-        victims = [r for r in self.running if r is not keep]
+        """Free the pages of `keep`'s data-parallel rank: only a sequence there can give them."""
+        rank = self.cache.rank_of(keep.slot)
+        victims = [r for r in self.running if r is not keep and self.cache.rank_of(r.slot) == rank]
         if not victims:
             return False
         victim = max(victims, key=lambda r: r.arrival_order)
@@ -90,21 +92,23 @@ class Scheduler:
             if not self.cache.can_allocate(first):
                 break
             self.waiting.popleft()
-            request.slot = self.cache.acquire_slot()
+            request.slot = self.cache.acquire_slot(first)
             request.status = Status.RUNNING
             self.running.append(request)
             plan.admitted.append(request)
-        # prefill chunks of running requests that have more than one token to feed
+        # prefill chunks of running requests that have more than one token to feed, at most
+        # `prefill_rows` per data-parallel rank
+        rows = [0] * self.cache.layout.dp
         for request in sorted(self.running, key=lambda r: r.arrival_order):
-            if len(plan.prefill) >= self.prefill_rows:
-                break
-            if request.to_feed <= 1:
+            rank = self.cache.rank_of(request.slot)
+            if request.to_feed <= 1 or rows[rank] >= self.prefill_rows:
                 continue
             chunk = min(request.to_feed, self.prefill_chunk)
             if not self.cache.can_allocate(request.computed + chunk, request.slot):
                 continue
             self.cache.ensure(request.slot, request.computed + chunk)
             plan.prefill.append((request, chunk))
+            rows[rank] += 1
         return plan
 
     @property

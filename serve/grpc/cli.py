@@ -131,6 +131,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(...)` keyword arguments from the engine options (shared with `deepinfer generate`)."""
     from deepinfer.serve.cli import CliError, _check_model_arg, _engine_settings
 
+    if any(v is not None for v in (args.coordinator, args.num_processes, args.process_id)):
+        raise _BadArgs("--coordinator/--num-processes/--process-id: the gRPC server runs in one process "
+                       "(use --mesh for the devices of this host); multi-process runs are for generate and run-batch")
     try:
         kwargs = _engine_settings(args)
         _check_model_arg(args)

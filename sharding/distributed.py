@@ -1,0 +1,57 @@
+"""Many hosts through JAX's own multi-controller runtime (`jax.distributed`).
+
+Every process runs the same program on the same inputs; after `initialize`, `jax.devices()`
+lists the devices of all processes and a mesh built from them spans the hosts. On CPU the
+cross-process collectives go through gloo (XLA's CPU client has no other implementation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Where the coordinator listens and who this process is; all None = one process."""
+
+    coordinator: str | None = None  # "host:port" of process 0's coordination service
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return any(v is not None for v in (self.coordinator, self.num_processes, self.process_id))
+
+    def validate(self) -> None:
+        if not self.enabled:
+            return
+        missing = [name for name, v in (("coordinator", self.coordinator), ("num_processes", self.num_processes),
+                                        ("process_id", self.process_id)) if v is None]
+        if missing:
+            raise ValueError(f"multi-process run needs coordinator, num_processes and process_id; missing "
+                             f"{', '.join(missing)}")
+        host, _, port = self.coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"coordinator must be host:port, got {self.coordinator!r}")
+        if self.num_processes < 1:
+            raise ValueError(f"num_processes must be at least 1, got {self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, {self.num_processes}), got {self.process_id}")
+
+
+def initialize(config: DistributedConfig) -> bool:
+    """Join the multi-process runtime (before any other JAX call); False when not configured."""
+    config.validate()
+    if not config.enabled:
+        return False
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=config.coordinator, num_processes=config.num_processes,
+                               process_id=config.process_id)
+    return True
+
+
+def is_primary() -> bool:
+    """Process 0 prints progress and results; the others stay quiet."""
+    return jax.process_index() == 0

@@ -1,0 +1,166 @@
+"""The engine step on a device mesh: attention data parallel for the cache and the attention,
+expert parallel for the MoE (DeepSeek's "DP attention + EP MoE").
+
+Each `dp` rank owns `num_slots / dp` slots and `num_pages / dp` pages of the cache (rank-major
+shares). A step's rows are grouped by rank and carry LOCAL slot and page ids, so a sequence's
+attention never leaves its rank. Ranks along `cp` and `tp` hold the same rows (the attention is
+replicated there) except in prefill: with `cp` > 1 a prefill chunk's queries are split over the
+`cp` ranks by the zigzag scheme (rank r holds blocks r and 2*cp-1-r, equal causal work), the
+window keys, ring writes and compressor run on the gathered chunk (`model.step._Chunk`). The MoE
+spreads every rank's tokens over all devices, which hold `experts / devices` experts each,
+through `ExpertParallel`. The logits are gathered over `dp` so
+every process (multi-host included) sees all rows, and the expert counts are summed over `dp`.
+
+All device inputs are built as global arrays with `make_array_from_callback`, which is what
+JAX's multi-controller runtime needs: every process runs the same host code on the same data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from deepinfer.model.config import ModelConfig
+from deepinfer.model.kv_cache import CacheLayout, KVCache, init_cache, reset_slots
+from deepinfer.model.step import StepBatch, step_body
+from deepinfer.pallas_kernels.registry import KernelConfig
+from deepinfer.sharding.context_parallel import zigzag_slots
+from deepinfer.sharding.cp_forward import ZigzagShards
+from deepinfer.sharding.expert_parallel import ExpertParallel
+from deepinfer.sharding.mesh import AXES
+
+EP_AXES = AXES  # experts shard over every device
+
+
+def _is_expert_leaf(path) -> bool:
+    keys = [getattr(k, "key", None) for k in path]
+    return "experts" in keys and "shared_experts" not in keys
+
+
+def params_specs(params) -> dict:
+    """Routed-expert weights split their leading (physical expert) dim over all devices; every
+    other parameter is replicated."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: P(EP_AXES) if _is_expert_leaf(path) else P(), params)
+
+
+def cache_specs(cache: KVCache) -> KVCache:
+    """Window rings `[L, S, ...]` split their slot dim, everything else its leading dim, over dp."""
+    return KVCache(
+        window=tuple(P(None, "dp") for _ in cache.window),
+        window_pos=P("dp"),
+        entries=tuple(tuple(P("dp") for _ in e) for e in cache.entries),
+        index_keys=tuple(tuple(P("dp") for _ in k) for k in cache.index_keys),
+        pending=tuple(P("dp") for _ in cache.pending),
+    )
+
+
+def batch_specs(batch: StepBatch, split: bool) -> StepBatch:
+    """Rows over dp; with `split` (context-parallel prefill) the token axis of the per-token
+    fields over cp as well."""
+    tokens = P("dp", "cp") if split else P("dp")
+    per_token = {"tokens", "positions", "hash_ids"}
+    return StepBatch(**{f.name: None if getattr(batch, f.name) is None else (tokens if f.name in per_token else P("dp"))
+                        for f in dataclasses.fields(batch)})
+
+
+def to_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host value that every process holds in full."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+class MeshStep:
+    """Places params and cache on `mesh` and runs the jitted, shard-mapped step."""
+
+    def __init__(self, mesh: Mesh, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None = None,
+                 ep_method: str | None = None):
+        if tuple(mesh.axis_names) != AXES:
+            raise ValueError(f"the engine mesh must have axes {AXES}, got {tuple(mesh.axis_names)}")
+        if layout.dp != mesh.shape["dp"]:
+            raise ValueError(f"cache layout dp={layout.dp} differs from the mesh's dp={mesh.shape['dp']}")
+        self.mesh, self.config, self.layout, self.kernels = mesh, config, layout, kernels
+        method = ep_method or ("all_to_all" if jax.default_backend() == "cpu" else "ragged_all_to_all")
+        self.ep = ExpertParallel(axes=EP_AXES, method=method, replicated_axes=("cp", "tp"))
+        self.cp = mesh.shape["cp"]
+        self.ep_cp = ExpertParallel(axes=EP_AXES, method=method, replicated_axes=("tp",))
+        self._replicated = NamedSharding(mesh, P())
+        self._rows = NamedSharding(mesh, P("dp"))
+        self._steps: dict[tuple, object] = {}
+
+    # ---- placement ----------------------------------------------------------------------
+    def place_params(self, params: dict) -> dict:
+        n_phys = params["layers"][0]["ffn"]["experts"]["w1"]
+        n_phys = (n_phys.q if hasattr(n_phys, "q") else n_phys).shape[0]
+        if n_phys % self.mesh.size:
+            raise ValueError(f"{n_phys} routed experts cannot be split over {self.mesh.size} devices "
+                             "(expert parallelism needs a multiple of the device count)")
+        specs = params_specs(params)
+        return jax.tree.map(lambda x, spec: to_global(np.asarray(x), NamedSharding(self.mesh, spec)), params, specs)
+
+    def init_cache(self) -> KVCache:
+        abstract = jax.eval_shape(partial(init_cache, self.config, self.layout))
+        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), cache_specs(abstract))
+        return jax.jit(partial(init_cache, self.config, self.layout), out_shardings=shardings)()
+
+    def reset(self, cache: KVCache, slots: list[int]) -> KVCache:
+        padded = np.full((self.layout.num_slots,), self.layout.num_slots, np.int32)  # one shape: one compile
+        padded[: len(slots)] = slots
+        return _reset(cache, to_global(padded, self._replicated))
+
+    # ---- the step -----------------------------------------------------------------------
+    def __call__(self, params: dict, cache: KVCache, batch: StepBatch, *, all_logits: bool, decoder: bool):
+        """`batch` holds host arrays, rows grouped by dp rank, local slot and page ids."""
+        T = batch.tokens.shape[1]
+        split = self.cp > 1 and T > 1 and T % (2 * self.cp) == 0
+        key = (all_logits, decoder, split, jax.tree.map(np.shape, batch))
+        if split:  # rank-major zigzag order of each row's tokens; the token axis splits over cp
+            order = zigzag_slots(T, self.cp)
+            batch = dataclasses.replace(batch, tokens=batch.tokens[:, order], positions=batch.positions[:, order],
+                                        hash_ids=None if batch.hash_ids is None else batch.hash_ids[:, order])
+        specs = batch_specs(batch, split)
+        batch = jax.tree.map(lambda a, spec: to_global(a, NamedSharding(self.mesh, spec)), batch, specs)
+        if key not in self._steps:
+            self._steps[key] = self._compile(params, cache, batch, all_logits, decoder, split)
+        cache, logits, counts = self._steps[key](params, cache, batch)
+        return cache, (logits if decoder else None), counts
+
+    def _compile(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool):
+        """Compile ahead of the first run; with many processes, wait for all of them before
+        it runs (a process still compiling would leave the others' first collective waiting
+        past the CPU collectives' 30 s rendezvous deadline)."""
+        compiled = self._build(params, cache, batch, all_logits, decoder, split).lower(params, cache, batch).compile()
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"deepinfer step {all_logits} {decoder} {batch.tokens.shape}")
+        return compiled
+
+    def _build(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool):
+        config, layout, kernels = self.config, self.layout, self.kernels
+        ep, seq = (self.ep_cp, ZigzagShards(self.cp)) if split else (self.ep, None)
+
+        def body(params, cache, batch):
+            cache, logits, counts = step_body(params, cache, batch, config=config, layout=layout,
+                                              all_logits=all_logits, decoder=decoder, kernels=kernels, ep=ep,
+                                              seq=seq)
+            if logits is None:
+                logits = jnp.zeros((0,), jnp.float32)
+            else:
+                logits = jax.lax.all_gather(logits, "dp", axis=0, tiled=True)
+            # counts: tokens differ over dp (and over cp when split), are replicated elsewhere
+            return cache, logits, jax.lax.psum(counts, ("dp", "cp") if split else "dp")
+
+        mapped = jax.shard_map(body, mesh=self.mesh,
+                               in_specs=(params_specs(params), cache_specs(cache), batch_specs(batch, split)),
+                               out_specs=(cache_specs(cache), P(), P()), check_vma=False)
+        return jax.jit(mapped, donate_argnums=(1,))
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _reset(cache: KVCache, slots: jax.Array) -> KVCache:
+    return reset_slots(cache, slots)

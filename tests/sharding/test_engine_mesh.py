@@ -1,0 +1,129 @@
+"""The engine on a device mesh (attention data parallel + expert parallel) generates exactly the
+tokens of the one-device engine, greedy and seeded, and spreads sequences over the dp ranks.
+
+Every step pulls its logits to the host, so the CPU backend never queues collective programs
+(they deadlock when too many are in flight; `../shared/spec/environment.md`)."""
+
+import numpy as np
+import pytest
+
+from deepinfer.model import init_params, load_config
+from deepinfer.model.tokenizer import load_tokenizer
+from deepinfer.serve.api.types import SamplingParams
+from deepinfer.serve.engine.cache import CacheBudget
+from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.sharding import make_mesh
+from deepinfer.sharding.eplb import device_load, imbalance
+
+N_REQUESTS = 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32")
+    return config, init_params(config, seed=3), load_tokenizer()
+
+
+def requests():
+    """Half greedy, half seeded sampling; prompts of one prefill chunk, one longer than the window."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i, n in enumerate([20, 127, 60, 90][:N_REQUESTS]):
+        ids = [0] + rng.integers(3, 128000, n).tolist()
+        sampling = (SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True) if i % 2 == 0 else
+                    SamplingParams(max_tokens=5, temperature=0.9, top_k=50, seed=100 + i, ignore_eos=True))
+        out.append((str(i), ids, sampling))
+    return out
+
+
+def generate(model, mesh=None, num_slots=8, **engine_options):
+    config, params, tokenizer = model
+    engine = LLMEngine(params, config, tokenizer,
+                       EngineConfig(budget=CacheBudget(num_slots=num_slots, max_model_len=256, page_size=64),
+                                    prefill_chunk=128, prefill_mode="full", **engine_options), mesh=mesh)
+    for rid, ids, sampling in requests():
+        engine.add_request(rid, ids, sampling)
+    engine.step()  # admits every request: one per rank (or two on dp=2)
+    ranks = sorted(engine.cache.rank_of(r.slot) for r in engine.scheduler.running)
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+    return outputs, ranks, engine
+
+
+@pytest.fixture(scope="module")
+def single(model):
+    outputs, _, engine = generate(model)
+    return outputs, engine.runner.expert_load
+
+
+@pytest.mark.parametrize("spec", ["dp=2,cp=2,tp=2", "dp=4,cp=2", "dp=8"])
+def test_data_parallel_engine_equals_one_device(model, single, spec):
+    mesh = make_mesh(spec)
+    outputs, ranks, engine = generate(model, mesh)
+    assert outputs == single[0]
+    dp = mesh.shape["dp"]
+    # new sequences go to the rank with the most free cache: spread evenly
+    assert np.bincount(ranks, minlength=dp).max() - np.bincount(ranks, minlength=dp).min() <= 1
+    # the expert counts the engine gathers for EPLB do not depend on the mesh
+    np.testing.assert_array_equal(engine.runner.expert_load, single[1])
+
+
+def test_eplb_installs_layouts_between_steps_without_changing_outputs(model, single):
+    """Every 2 steps the engine plans a layout of 16 physical experts (8 logical, 8 devices) from
+    the load it counted and installs it; the tokens stay those of the one-device engine."""
+    mesh = make_mesh("dp=2,cp=2,tp=2")
+    outputs, _, engine = generate(model, mesh, eplb_interval=2, eplb_slots=16)
+    assert outputs == single[0]
+    history = engine.balancer.history
+    assert len(history) >= 2
+    assert all(h["imbalance_after"] <= h["imbalance_before"] + 1e-9 for h in history)
+    # the physical layout really changed: some expert has more than one replica
+    count = np.asarray(engine.runner.params["layers"][0]["ffn"]["placement"]["count"])
+    assert count.sum() == 16 and count.max() > 1
+    # per-device load of the whole run: one expert per device vs the EPLB layout planned from it
+    load = engine.runner.expert_load
+    logical = imbalance(device_load(load, np.tile(np.arange(8), (load.shape[0], 1)), np.ones_like(load), 8))
+    planned = imbalance(device_load(load, *engine.balancer.plan(load)[::2], 8))
+    print(f"\nEPLB on the engine's counted load (tiny-v4.1, {load.sum()} routed pairs): max/mean device load "
+          f"{logical.max():.3f} -> {planned.max():.3f} (worst layer), {logical.mean():.3f} -> {planned.mean():.3f} (mean)")
+    assert planned.max() < logical.max()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_prefill_then_decode_equal_the_full_forward(model, cp):
+    """Chunked prefill with each chunk's queries split zigzag over `cp` ranks (chunks of 128 and a
+    ragged 45-token tail; prompt 301 > window 128 and > the candidate pool), then one-token
+    decodes: every position's logits equal the one-device full forward."""
+    import jax
+
+    from deepinfer.model import forward
+    from deepinfer.model.kv_cache import FLOAT, CacheLayout
+    from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, token_bucket
+
+    config, params, _ = model
+    ids = np.asarray(prompt_ids(303))
+    layout = CacheLayout(num_slots=2, page_size=64, num_pages=16, max_pages_per_slot=8, storage=FLOAT)
+    runner = ModelRunner(params, config, layout, mesh=make_mesh(f"cp={cp}", devices=jax.devices()[:cp]))
+    table = np.full((2, 8), -1, np.int32)
+    table[1, :5] = [3, 9, 1, 12, 6]
+    out, start = [], 0
+    for n in (128, 128, 45):
+        work = [ChunkWork(1, ids[start:start + n], start, ids[:start])]
+        out.append(runner.run(work, table, rows=1, tokens=token_bucket(n), all_logits=True)[0, :n])
+        start += n
+    while start < len(ids):
+        out.append(runner.run([ChunkWork(1, ids[start:start + 1], start, ids[:start])], table, rows=2, tokens=1))
+        start += 1
+    ours, full = np.concatenate(out), np.asarray(forward(params, config, ids))
+    rel = np.abs(ours - full).max() / np.abs(full).max()
+    print(f"\ncp={cp}: chunked CP prefill + decode vs full forward: max rel diff {rel:.2e}")
+    assert rel <= 1e-5
+    np.testing.assert_array_equal(ours.argmax(-1), full.argmax(-1))
+
+
+def prompt_ids(n, seed=5):
+    ids = np.random.default_rng(seed).integers(3, 128000, n)
+    ids[0] = 0
+    return ids.tolist()
