@@ -444,8 +444,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     print(f"model   : {_describe_model(llm)}")
     print(f"engine  : prefill {llm.engine.engine_config.prefill_mode} (keep {llm.engine.engine_config.keep_tokens}), "
-          f"dtype {llm.config.dtype}, fake-quant {'on' if llm.config.fake_quant else 'off'}, "
-          f"loaded in {_seconds(t_load)}")
+          f"dtype {llm.config.dtype}, fake-quant {'on' if llm.config.fake_quant else 'off'}"
+          + (f", mesh {','.join(f'{k}={v}' for k, v in llm.mesh.shape.items())}" if llm.mesh is not None else "")
+          + f", loaded in {_seconds(t_load)}")
     n_prompt = n_gen = 0
     for i, output in enumerate(outputs):
         completion = output.outputs[0]
