@@ -485,9 +485,12 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     _enable_info_logs()
     llm = _make_llm(args, log_stats_interval=args.log_stats_interval)
     from deepinfer.serve.api.batch import run_batch
+    from deepinfer.sharding.distributed import is_primary
 
+    # every process of a multi-process run computes every result; only process 0 writes them
+    output, port = (args.output_file, args.port) if is_primary() else (os.devnull, None)
     try:
-        summary = run_batch(llm, args.input_file, args.output_file, prometheus_port=args.port)
+        summary = run_batch(llm, args.input_file, output, prometheus_port=port)
     except OSError as e:
         raise CliError(f"run-batch: {e}") from None
     report = sys.stderr if args.output_file == "-" else sys.stdout

@@ -85,3 +85,23 @@ def test_eplb_options(checkpoint):
         LLM(checkpoint, eplb_interval=0, **SMALL)
     args = build_parser().parse_args(["generate", "--prompt", "x", "--eplb-interval", "50", "--eplb-slots", "24"])
     assert (args.eplb_interval, args.eplb_slots) == (50, 24)
+
+
+def test_run_batch_writes_results_only_on_process_0(capsys, checkpoint, tmp_path, monkeypatch):
+    """In a multi-process run every process computes every line; the others must not write the
+    output file (they would race process 0 on it)."""
+    import json
+
+    from deepinfer.sharding import distributed
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": "m", "prompt": "Hi", "max_tokens": 2}}) + "\n")
+    monkeypatch.setattr(distributed, "is_primary", lambda: False)
+    argv = ["run-batch", "-i", str(src), "-o", str(dst), "--model", checkpoint, "--max-num-seqs", "1",
+            "--max-model-len", "256", "--page-size", "64", "--prefill-chunk", "128"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert not dst.exists()
+    monkeypatch.setattr(distributed, "is_primary", lambda: True)
+    assert main(argv) == 0, capsys.readouterr().err
+    assert json.loads(dst.read_text())["custom_id"] == "a"
