@@ -89,7 +89,6 @@ class MeshStep:
         self.cp = mesh.shape["cp"]
         self.ep_cp = ExpertParallel(axes=EP_AXES, method=method, replicated_axes=("tp",))
         self._replicated = NamedSharding(mesh, P())
-        self._rows = NamedSharding(mesh, P("dp"))
         self._steps: dict[tuple, object] = {}
 
     # ---- placement ----------------------------------------------------------------------
