@@ -364,44 +364,21 @@ _HISTOGRAMS = {
 
 
 def metrics_registry(llm: LLM):
-    """A `prometheus_client.CollectorRegistry` exposing `llm.get_metrics()` at every scrape.
+    """A `prometheus_client.CollectorRegistry` exposing `llm.get_metrics()` at every scrape
+    (vLLM's names and labels; see `deepinfer.serve.api.prometheus`)."""
+    from deepinfer.serve.api.prometheus import MetricValues, bucket_counts
+    from deepinfer.serve.api.prometheus import metrics_registry as registry
 
-    Labels `model_name` and `engine` ("0") as in vLLM; counters get the `_total` suffix in the
-    exposition format; `vllm:request_success` has the `finished_reason` label.
-    """
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    def scrape() -> MetricValues:
+        m = llm.get_metrics()
+        return MetricValues(
+            gauges={name: (doc, m[name]) for name, doc in _GAUGES.items()},
+            counters={name: (doc, m[name]) for name, doc in _COUNTERS.items()},
+            success=m["vllm:request_success"],
+            histograms={name: (doc, tuple(bounds), bucket_counts(bounds, m.get(name, [])), sum(m.get(name, [])))
+                        for name, (doc, bounds) in _HISTOGRAMS.items()})
 
-    labels = ["model_name", "engine"]
-    values = [str(llm.model_name), "0"]
-
-    class _Collector:
-        def collect(self):
-            m = llm.get_metrics()
-            for name, doc in _GAUGES.items():
-                g = GaugeMetricFamily(name, doc, labels=labels)
-                g.add_metric(values, float(m[name]))
-                yield g
-            for name, doc in _COUNTERS.items():
-                c = CounterMetricFamily(name, doc, labels=labels)
-                c.add_metric(values, float(m[name]))
-                yield c
-            c = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                    labels=[*labels, "finished_reason"])
-            for reason, count in sorted(m["vllm:request_success"].items()):
-                c.add_metric([*values, reason], float(count))
-            yield c
-            for name, (doc, bounds) in _HISTOGRAMS.items():
-                samples = m.get(name, [])
-                buckets = [(repr(b), float(sum(1 for s in samples if s <= b))) for b in bounds]
-                buckets.append(("+Inf", float(len(samples))))
-                h = HistogramMetricFamily(name, doc, labels=labels)
-                h.add_metric(values, buckets, float(sum(samples)))
-                yield h
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector())
-    return registry
+    return registry(scrape, llm.model_name)
 
 
 def _start_metrics_server(llm: LLM, port: int):

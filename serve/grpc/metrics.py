@@ -126,45 +126,17 @@ class ServerMetrics:
 
     def registry(self, gauges: Callable[[], dict[str, float]], model_name: str):
         """A `prometheus_client.CollectorRegistry` exposing these metrics at every scrape
-        (labels `model_name` and `engine` as in vLLM; counters get `_total` when exposed)."""
-        from prometheus_client import CollectorRegistry
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        (vLLM's names and labels; see `deepinfer.serve.api.prometheus`)."""
+        from deepinfer.serve.api.prometheus import MetricValues, metrics_registry
 
-        labels = ["model_name", "engine"]
-        values = [str(model_name), "0"]
-        metrics = self
+        def scrape() -> MetricValues:
+            current = gauges()
+            with self._lock:
+                return MetricValues(
+                    gauges={name: (doc, current.get(name, 0.0)) for name, doc in _GAUGES.items()},
+                    counters={name: (doc, self._counters[name]) for name, doc in _COUNTERS.items()},
+                    success=dict(self._success),
+                    histograms={name: (doc, bounds, list(self._hist[name].counts), self._hist[name].total)
+                                for name, (doc, bounds) in HISTOGRAMS.items()})
 
-        class _Collector:
-            def collect(self):
-                current = gauges()
-                for name, doc in _GAUGES.items():
-                    g = GaugeMetricFamily(name, doc, labels=labels)
-                    g.add_metric(values, float(current.get(name, 0.0)))
-                    yield g
-                with metrics._lock:
-                    counters = dict(metrics._counters)
-                    success = dict(metrics._success)
-                    hists = {n: (list(h.counts), h.total) for n, h in metrics._hist.items()}
-                for name, doc in _COUNTERS.items():
-                    c = CounterMetricFamily(name, doc, labels=labels)
-                    c.add_metric(values, float(counters[name]))
-                    yield c
-                c = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                        labels=[*labels, "finished_reason"])
-                for reason, count in sorted(success.items()):
-                    c.add_metric([*values, reason], float(count))
-                yield c
-                for name, (doc, bounds) in HISTOGRAMS.items():
-                    counts, total = hists[name]
-                    cumulative, buckets = 0, []
-                    for bound, count in zip(bounds, counts):
-                        cumulative += count
-                        buckets.append((repr(bound), float(cumulative)))
-                    buckets.append(("+Inf", float(cumulative + counts[-1])))
-                    h = HistogramMetricFamily(name, doc, labels=labels)
-                    h.add_metric(values, buckets, float(total))
-                    yield h
-
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector())
-        return registry
+        return metrics_registry(scrape, model_name)
