@@ -46,7 +46,7 @@ __all__ = ["CliError", "EnvDefaults", "build_parser", "main"]
 
 PROG = "deepinfer"
 DTYPES = ("float32", "bfloat16")
-PREFILL_MODES = ("full", "compact")
+PREFILL_MODES = ("full", "compact")  # = serve.engine.engine.PREFILL_MODES (not imported: it imports JAX)
 DEFAULT_PREFILL_MODE = "compact"
 DEFAULT_KEEP_TOKENS = 140
 ENV_PREFILL_MODE = "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"

@@ -331,3 +331,10 @@ def test_run_batch_writes_one_line_per_input_line(capsys, home, tmp_path):
     assert [r["response"]["status_code"] for r in results] == [200, 400, 200]
     assert "stream" in results[1]["error"]["message"]
     assert results[0]["response"]["body"]["usage"]["completion_tokens"] == 2
+
+
+def test_cli_prefill_modes_are_the_engine_s():
+    from deepinfer.serve import cli
+    from deepinfer.serve.engine.engine import PREFILL_MODES
+
+    assert cli.PREFILL_MODES == PREFILL_MODES

@@ -50,7 +50,7 @@ from deepinfer.model import PRESETS, init_params, load_checkpoint, load_config, 
 from deepinfer.model.checkpoint import INDEX_FILE
 from deepinfer.serve.api.types import RequestOutput, SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
-from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.serve.engine.engine import PREFILL_MODES, EngineConfig, LLMEngine
 from deepinfer.serve.text.chat import (
     ChatEncodingError,
     ChatOutputParser,
@@ -65,7 +65,6 @@ log = logging.getLogger("deepinfer.llm")
 
 DEFAULT_MODEL = "tiny-v4.1"
 DEFAULT_WEIGHT_SEED = 0
-PREFILL_MODES = ("full", "compact")
 CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_format")
 _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",

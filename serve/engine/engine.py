@@ -31,7 +31,8 @@ from deepinfer.serve.text.stops import StopChecker
 
 log = logging.getLogger("deepinfer.engine")
 MAX_LOGPROBS = 20
-_SUPPRESS = -1e9  # logit bias that keeps EOS/stop tokens out until min_tokens
+_SUPPRESS = -1e9
+PREFILL_MODES = ("full", "compact")  # logit bias that keeps EOS/stop tokens out until min_tokens
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class EngineConfig:
     eplb_slots: int | None = None
 
     def __post_init__(self):
-        if self.prefill_mode not in ("full", "compact"):
+        if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be 'full' or 'compact', got {self.prefill_mode!r}")
         if self.keep_tokens < 1:
             raise ValueError(f"keep_tokens must be positive, got {self.keep_tokens}")

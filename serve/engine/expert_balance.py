@@ -49,15 +49,15 @@ class ExpertBalancer:
         self._load_at_last = total_load.copy()
         if not window.any():
             return None
-        before = float(imbalance(device_load(window, *self._as_load_layout(self.layout), self.devices)).max())
+        before = self._worst_imbalance(window)
         self.layout = self.plan(window)
-        after = float(imbalance(device_load(window, *self._as_load_layout(self.layout), self.devices)).max())
+        after = self._worst_imbalance(window)
         self.history.append({"tokens": int(window.sum()), "imbalance_before": before, "imbalance_after": after})
         log.info("EPLB: new expert layout from %d routed tokens; worst layer max/mean device load "
                  "%.3f -> %.3f", window.sum(), before, after)
         return self.layout
 
-    @staticmethod
-    def _as_load_layout(layout):
-        phy2log, _, count = layout
-        return phy2log, count
+    def _worst_imbalance(self, load: np.ndarray) -> float:
+        """Max over layers of max/mean device load of `load` under the current layout."""
+        phy2log, _, count = self.layout
+        return float(imbalance(device_load(load, phy2log, count, self.devices)).max())
