@@ -128,15 +128,15 @@ def _attention_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: in
     batch = chunk.batch
     positions = batch.positions
     q, q_residual = query(p, config, layer, x, positions)
-    kv_raw = window_kv_unquantized(p, config, layer, x, positions)
-    kv = chunk.gather(qat.window_kv(kv_raw, config))
+    kv_raw = chunk.gather(window_kv_unquantized(p, config, layer, x, positions))  # one gather: the
+    kv = qat.window_kv(kv_raw, config)  # fake-quant works per row, before or after it alike
     dtype = compute_dtype(config)
     ring = decode("window", tuple(w[layer, batch.slots] for w in st.window), dtype)
     keys = jnp.concatenate([ring, kv.astype(dtype)], axis=1)
     key_pos = jnp.concatenate([ring_pos, chunk.whole.positions], axis=1)
     mask = window_mask(positions, key_pos, config.sliding_window)
     mask = mask & valid[:, :, None] & (key_pos >= _floor(config, layer, batch)[:, None])[:, None, :]
-    stored = encode("window", kv if layout.storage == FLOAT else chunk.gather(kv_raw), layout.storage)
+    stored = encode("window", kv if layout.storage == FLOAT else kv_raw, layout.storage)
     for i, (array, values) in enumerate(zip(st.window, stored)):
         st.window[i] = array.at[layer, batch.slots[:, None], write_idx].set(values.astype(array.dtype), mode="drop")
 
