@@ -3,6 +3,7 @@
 
     python benchmarks/throughput.py [--input-len 128] [--output-len 32] [--batch-sizes 1,8,32]
                                     [--contexts 1024,8192,32768] [--prefill-len 2048]
+                                    [--drafter-batch 8]
 
 Compile and warm-up time are excluded from every measured window (each shape runs once before
 it is timed) and printed separately. Lengths are fixed (range_ratio=0, vLLM semantics);
@@ -45,9 +46,11 @@ def _run(engine: LLMEngine, prompts, output_len: int, tag: str) -> tuple[float, 
     return elapsed, sum(len(o.prompt_token_ids) for o in outputs), sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
-def bench_throughput(params, config, tokenizer, batch: int, input_len: int, output_len: int) -> dict:
+def bench_throughput(params, config, tokenizer, batch: int, input_len: int, output_len: int,
+                     drafter_context: bool = True) -> dict:
     budget = CacheBudget(num_slots=batch, max_model_len=input_len + output_len + 64, page_size=128)
-    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=512, prefill_rows=1))
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=512, prefill_rows=1,
+                                                               drafter_context=drafter_context))
     t0 = time.perf_counter()
     _run(engine, _prompts(batch, input_len, seed=1), output_len, "warmup")  # compiles every shape
     warmup = time.perf_counter() - t0
@@ -92,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--drafter-batch", type=int, default=8, help="batch of the drafter-context comparison (0: skip)")
     args = ap.parse_args(argv)
 
     config = load_config("tiny-v4.1")
@@ -112,6 +116,14 @@ def main(argv=None) -> int:
         print(f"Total num prompt tokens:  {r['prompt_tokens']}")
         print(f"Total num output tokens:  {r['output_tokens']}")
         print(f"Compile/warmup time (s): {r['warmup']:.1f} ({r['buckets']} jitted shape buckets)\n")
+
+    if args.drafter_batch:
+        rates = {}
+        for on in (True, False):
+            r = bench_throughput(params, config, tokenizer, args.drafter_batch, args.input_len, args.output_len, on)
+            rates[on] = (r["prompt_tokens"] + r["output_tokens"]) / r["elapsed"]
+        print(f"DSpark drafter context (its window rings written every step), batch {args.drafter_batch}: "
+              f"{rates[True]:.1f} total tokens/s with, {rates[False]:.1f} without ({rates[True] / rates[False]:.2f}x)\n")
 
     for mode in ("full", "compact"):
         rate = bench_prefill(params, config, tokenizer, args.prefill_len, mode)

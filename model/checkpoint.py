@@ -7,7 +7,8 @@ e2m1 nibbles, even k in the low nibble, one UE8M0 scale per 32), the rest BF16/F
 the project's own safetensors parser and memory maps; each tensor is placed straight onto its
 devices with `jax.make_array_from_callback`, so the host holds one slice at a time. Every problem
 names the tensor and the file; nothing is silently skipped (the only names ignored are the
-families a text-only forward does not use: `mtp.*`, vision and aligner tensors).
+families a text-only model does not use: vision and aligner tensors; the draft blocks `mtp.*`
+are read when the checkpoint has them).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from deepinfer.model.safetensors_io import CheckpointError, CheckpointFormatErro
 
 INDEX_FILE = "model.safetensors.index.json"
 ORBAX_MARKER = "deepinfer_orbax.json"
-# V4.1's DSpark drafter (`mtp.*`, not implemented yet) and the vision tower are not read.
-IGNORED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
+# The vision tower is not read (text only).
+IGNORED_PREFIXES = ("vision.", "aligner.", "image_start", "image_end", "image_newline")
 QUANTIZED = (FP8, FP8_ROWS, FP4)
 
 
@@ -102,9 +103,11 @@ def _official_arrays(spec: ParamSpec, leaf: Any, config: ModelConfig) -> dict[st
 
 
 def _shard_key(name: str) -> str:
-    """Official grouping: embedding, one shard per layer, then head and norm."""
+    """Official grouping: embedding, one shard per layer, head and norm, one per draft block."""
     if name.startswith("layers."):
         return "layer%05d" % int(name.split(".")[1])
+    if name.startswith("mtp."):
+        return "zzz_mtp%03d" % int(name.split(".")[1])
     return "aaa_embed" if name.startswith("embed") else "zzz_head"
 
 
@@ -267,8 +270,8 @@ def load_checkpoint(directory: str | os.PathLike, mesh=None, *, dequantize: bool
 
     config = load_config(directory, **config_overrides)
     shards = _ShardSet(directory)
-    # V4's MTP block is optional in a checkpoint (HF conversions drop it): load it when present.
-    include_mtp = config.is_v4 and any(name.startswith("mtp.") for name in shards.weight_map)
+    # The draft blocks are optional in a checkpoint (HF conversions drop them): read when present.
+    include_mtp = any(name.startswith("mtp.") for name in shards.weight_map)
     _validate(shards, config, include_mtp)
     mesh = _default_mesh(mesh)
     leaves = {}

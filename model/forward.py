@@ -65,10 +65,18 @@ def embed_streams(params: dict, config: ModelConfig, token_ids: jax.Array) -> ja
     return jnp.broadcast_to(emb[..., None, :], (*token_ids.shape, config.hc_mult, config.hidden_size))
 
 
+def stream_mean(streams: jax.Array) -> jax.Array:
+    """The mean of the hc residual streams `[..., hc, D]` -> `[..., D]` (fp32 sum): what the
+    DSpark drafter reads of the target layers it listens to."""
+    return jnp.mean(streams.astype(jnp.float32), axis=-2).astype(streams.dtype)
+
+
 def backbone(params: dict, config: ModelConfig, token_ids: jax.Array, hash_ids: jax.Array | None,
              kernels: KernelConfig | None = None, *, positions: jax.Array | None = None,
-             seq: SequenceShards | None = None) -> tuple[jax.Array, jax.Array]:
-    """All layers over `[B, T]` tokens at positions 0..T-1: (streams `[B, T, hc, D]`, last pre).
+             seq: SequenceShards | None = None,
+             capture: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """All layers over `[B, T]` tokens at positions 0..T-1: (streams `[B, T, hc, D]`, last pre,
+    `stream_mean` of the streams entering each layer in `capture`, in that order).
 
     Context parallel passes this rank's `positions` (-1 = padding) and `seq` (`attention_full`)."""
     B, T = token_ids.shape
@@ -77,11 +85,14 @@ def backbone(params: dict, config: ModelConfig, token_ids: jax.Array, hash_ids: 
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     shared: dict = {}
+    captured = {}
     for layer in range(config.num_hidden_layers):
+        if layer in capture:
+            captured[layer] = stream_mean(streams)
         with jax.named_scope(f"layer_{layer}"):
             streams, pre = layer_forward(params["layers"][layer], config, layer, streams, pre, positions,
                                          token_ids, hash_ids, shared, kernels, seq)
-    return streams, pre
+    return streams, pre, [captured[layer] for layer in capture]
 
 
 @partial(jax.jit, static_argnames=("config", "kernels", "return_streams"))
@@ -89,7 +100,7 @@ def forward_jit(params: dict, config: ModelConfig, token_ids: jax.Array, hash_id
                 kernels: KernelConfig | None = None, return_streams: bool = False):
     """token_ids int32 `[B, T]` at positions 0..T-1 -> fp32 logits `[B, T, vocab]` (and, with
     `return_streams`, the final residual streams, the MTP block's input)."""
-    streams, pre = backbone(params, config, token_ids, hash_ids, kernels)
+    streams, pre, _ = backbone(params, config, token_ids, hash_ids, kernels)
     logits = linear(final_hidden(params, config, streams, pre), params["head"]).astype(jnp.float32)
     return (logits, streams) if return_streams else logits
 

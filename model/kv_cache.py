@@ -1,9 +1,10 @@
 """The device-side cache of DeepSeek-V4.1 as a pytree, and how rows are stored in it.
 
 What is cached (model-v4.1-flash.md §3):
-- per slot (sequence), bounded: every layer's 128-token sliding-window ring, one shared
-  `window_pos` row of positions (-1 = empty), and the ratio-2 sources' pending unpaired token
-  (its fp32 `kv` and `gate`);
+- per slot (sequence), bounded: every layer's 128-token sliding-window ring, then (with
+  `draft_rings`) one ring per DSpark draft block holding its context KV (`model.drafter`), one
+  shared `window_pos` row of positions (-1 = empty), and the ratio-2 sources' pending unpaired
+  token (its fp32 `kv` and `gate`);
 - global, paged, growing with context: each KV source's compressed entries and indexer keys.
   A page holds `page_size` TOKENS of context, i.e. `page_size // ratio` entries of a source, so
   one page table per sequence addresses every source's pool (890 B per token for the release).
@@ -42,6 +43,8 @@ class CacheLayout:
     # attention data-parallel ranks: slots and pages split into `dp` equal, rank-major shares;
     # a sequence's page table holds page ids LOCAL to its rank's share
     dp: int = 1
+    # window rings of the DSpark draft blocks after the layers' (0: no drafter context kept)
+    draft_rings: int = 0
 
     @property
     def slots_per_rank(self) -> int:
@@ -67,6 +70,10 @@ def check_layout(config: ModelConfig, layout: CacheLayout) -> None:
     if layout.dp < 1 or layout.num_slots % layout.dp or layout.num_pages % layout.dp:
         raise ValueError(f"num_slots ({layout.num_slots}) and num_pages ({layout.num_pages}) must be multiples "
                          f"of the data-parallel size dp={layout.dp}")
+    if layout.draft_rings not in (0, config.num_nextn_predict_layers) or (
+            layout.draft_rings and not config.dspark_target_layer_ids):
+        raise ValueError(f"draft_rings must be 0 or the {config.num_nextn_predict_layers} DSpark blocks of a "
+                         f"config with dspark_target_layer_ids, got {layout.draft_rings}")
     if layout.storage == PACKED and not config.fake_quant:
         raise ValueError("packed (FP8/FP4) cache rows are exact only with fake_quant on; use storage='float'")
 
@@ -117,7 +124,7 @@ class KVCache:
     """Device arrays; see the module docstring. Tuples are indexed by source order
     (`config.kv_source_layer_ids`); `pending` by ratio-2 sources in that order."""
 
-    window: tuple[jax.Array, ...]  # each [L, S, W, ...]
+    window: tuple[jax.Array, ...]  # each [L + draft_rings, S, W, ...]
     window_pos: jax.Array  # [S, W] int32
     entries: tuple[tuple[jax.Array, ...], ...]  # per source: each [P, page_size // ratio, ...]
     index_keys: tuple[tuple[jax.Array, ...], ...]
@@ -131,7 +138,7 @@ def pending_sources(config: ModelConfig) -> list[int]:
 def init_cache(config: ModelConfig, layout: CacheLayout) -> KVCache:
     check_layout(config, layout)
     dtype = compute_dtype(config)
-    L, S, W = config.num_hidden_layers, layout.num_slots, config.sliding_window
+    L, S, W = config.num_hidden_layers + layout.draft_rings, layout.num_slots, config.sliding_window
 
     def zeros(shapes, lead):
         # e8m0 has no zero (0 casts to NaN): empty rows get scale 1 so they decode to finite 0
@@ -160,10 +167,12 @@ def bytes_per_token(config: ModelConfig, layout: CacheLayout) -> float:
 
 
 def slot_bytes(config: ModelConfig, layout: CacheLayout) -> int:
-    """Bounded per-slot bytes: window rings of every layer, their positions, pending state."""
+    """Bounded per-slot bytes: window rings of every layer (and draft block), their positions,
+    pending state."""
     total = config.sliding_window * 4
+    rings = config.num_hidden_layers + layout.draft_rings
     for shape, dt in _row_shapes("window", config.head_dim, layout.storage, compute_dtype(config)):
-        total += config.num_hidden_layers * config.sliding_window * shape[0] * jnp.dtype(dt).itemsize
+        total += rings * config.sliding_window * shape[0] * jnp.dtype(dt).itemsize
     return total + len(pending_sources(config)) * 2 * config.head_dim * 4
 
 

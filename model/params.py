@@ -176,6 +176,32 @@ def mtp_specs(c: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
+def dspark_specs(c: ModelConfig) -> list[ParamSpec]:
+    """V4.1's DSpark drafter `mtp.0..n-1`: window-only blocks with their own (smaller) MoE;
+    `mtp.0` joins the target layers' stream means (`main_proj`, `main_norm`), the last block
+    carries the final norm, the rank-r Markov head and the confidence head (model-v4.1-flash.md
+    §2.9; vLLM `models/deepseek_v41/nvidia/dspark.py`)."""
+    if c.is_v4 or not c.dspark_target_layer_ids:
+        return []
+    D, r, n = c.hidden_size, c.dspark_markov_rank, c.num_nextn_predict_layers
+    specs: list[ParamSpec] = []
+    for k in range(n):
+        p = f"mtp.{k}."
+        specs += _block_specs(c, p, c.num_hidden_layers + k)
+        specs += _moe_specs(c, p + "ffn.", c.dspark_n_routed_experts)
+    specs += [
+        ParamSpec("mtp.0.main_proj", (D, len(c.dspark_target_layer_ids) * D), FP8, ("embed", None)),
+        ParamSpec("mtp.0.main_norm", (D,), BF16, ("embed",), "ones"),
+    ]
+    last = f"mtp.{n - 1}."
+    return specs + [
+        ParamSpec(last + "norm", (D,), BF16, ("embed",), "ones"),
+        ParamSpec(last + "markov_head.embed", (c.vocab_size, r), BF16, ("vocab", None), "markov_embed"),
+        ParamSpec(last + "markov_head.head", (c.vocab_size, r), BF16, ("vocab", None)),
+        ParamSpec(last + "confidence_head.proj", (1, D + r), BF16, (None, None)),
+    ]
+
+
 def _moe_specs(c: ModelConfig, p: str, n_experts: int, hash_routed: bool = False) -> list[ParamSpec]:
     D, F = c.hidden_size, c.moe_intermediate_size
     expert_storage = FP4 if c.expert_dtype == "fp4" else FP8
@@ -203,8 +229,8 @@ def _moe_specs(c: ModelConfig, p: str, n_experts: int, hash_routed: bool = False
 
 
 def param_specs(config: ModelConfig, include_mtp: bool = True) -> list[ParamSpec]:
-    """Every tensor of the official checkpoint that the model uses: the text backbone and, for
-    V4, the MTP block (V4.1's DSpark `mtp.*` and vision tensors are not listed yet)."""
+    """Every tensor of the official checkpoint that the model uses: the text backbone and the
+    draft blocks (`mtp.*`: V4's MTP block, V4.1's DSpark drafter); vision is not listed."""
     c = config
     specs = [
         ParamSpec("embed", (c.vocab_size, c.hidden_size), BF16, ("vocab", "embed"), "normal"),
@@ -216,7 +242,7 @@ def param_specs(config: ModelConfig, include_mtp: bool = True) -> list[ParamSpec
     for i in range(c.num_hidden_layers):
         specs += _layer_specs(c, i)
     if include_mtp:
-        specs += mtp_specs(c)
+        specs += mtp_specs(c) + dspark_specs(c)
     return specs
 
 
@@ -277,6 +303,8 @@ def _init_value(spec: ParamSpec, rng: np.random.Generator) -> np.ndarray:
         return rng.standard_normal(shape)
     if spec.init == "small":
         return 0.1 * rng.standard_normal(shape)
+    if spec.init == "markov_embed":  # an embedding table: unit-variance rows
+        return rng.standard_normal(shape)
 
     fan_in = shape[-1]
     return rng.standard_normal(shape) / np.sqrt(fan_in)

@@ -11,6 +11,10 @@ after the run) in cache slot `slots[b]`, whose pages are `page_table[b]`. Per la
    reads the sequence's entries back, so cached and new entries are used the same way;
 3. indexes and selects exactly as the full forward does (same functions), and attends.
 
+With drafter rings in the layout, it also keeps the DSpark drafter's context: the stream means
+entering the target layers become `main_x`, whose per-block window KV goes into the draft rings
+(`model.drafter`), at the rows the decoder layers ran on.
+
 In full-fidelity mode this reproduces `forward.forward` position by position; the engine tests
 check that for several chunkings.
 """
@@ -28,7 +32,8 @@ from deepinfer.model import compressor, qat
 from deepinfer.model.attention import index_layer, output_projection, query, window_kv_unquantized, window_mask
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.engram import engram
-from deepinfer.model.forward import embed_streams, final_hidden, mixes
+from deepinfer.model.drafter import context_input, context_kv
+from deepinfer.model.forward import embed_streams, final_hidden, mixes, stream_mean
 from deepinfer.model.kv_cache import FLOAT, CacheLayout, KVCache, decode, encode, pending_sources
 from deepinfer.model.layers import compress_inv_freq, linear, rms_norm
 from deepinfer.model.mhc import hc_collapse, hc_expand
@@ -156,6 +161,20 @@ def _attention_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: in
     return output_projection(p, config, layer, o, positions)
 
 
+def _write_draft_rings(params: dict, config: ModelConfig, layout: CacheLayout, means: list[jax.Array],
+                       chunk: _Chunk, write_idx: jax.Array, st: _State) -> None:
+    """The drafter's context KV of the chunk (from the target layers' stream `means`) into the
+    draft rings, which follow the layers' rings in `window`."""
+    main_x = context_input(params, config, means)
+    for i in range(layout.draft_rings):
+        raw = chunk.gather(context_kv(params, config, i, main_x, chunk.batch.positions))
+        stored = encode("window", qat.window_kv(raw, config) if layout.storage == FLOAT else raw, layout.storage)
+        ring = config.num_hidden_layers + i
+        for j, (array, values) in enumerate(zip(st.window, stored)):
+            st.window[j] = array.at[ring, chunk.batch.slots[:, None], write_idx].set(values.astype(array.dtype),
+                                                                                     mode="drop")
+
+
 def _floor(config: ModelConfig, layer: int, batch: StepBatch) -> jax.Array:
     return batch.floor if layer >= config.decoder_start else jnp.zeros_like(batch.floor)
 
@@ -193,9 +212,12 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
     B, T = batch.tokens.shape
     pre = jax.nn.one_hot(jnp.zeros((B, T), jnp.int32), config.hc_mult, dtype=jnp.float32)
     counts = jnp.zeros((config.num_hidden_layers, config.n_routed_experts), jnp.int32)
+    draft_means = {}
     for layer in range(config.num_hidden_layers):
         lp = params["layers"][layer]
         in_decoder = layer >= config.decoder_start
+        if layout.draft_rings and layer in config.dspark_target_layer_ids:
+            draft_means[layer] = stream_mean(streams)
         with jax.named_scope(f"layer_{layer}"):
             if layer in config.engram_layer_ids:
                 ids = batch.hash_ids[:, :, config.engram_layer_ids.index(layer)]
@@ -216,6 +238,10 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
             counts = counts.at[layer].set(layer_counts)
             streams = hc_expand(y, streams, f_post, f_comb)
             pre = f_pre
+    if decoder and layout.draft_rings:
+        with jax.named_scope("draft_rings"):
+            _write_draft_rings(params, config, layout, [draft_means[t] for t in config.dspark_target_layer_ids],
+                               chunk, decoder_write, st)
     st.window_pos = st.window_pos.at[batch.slots[:, None], write_idx].set(whole, mode="drop")
     if not decoder:
         return st.cache(), None, counts

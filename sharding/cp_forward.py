@@ -90,7 +90,7 @@ def _forward_cp_jit(params: dict, token_ids: jax.Array, positions: jax.Array, ha
     tokens = P(None, CP_AXIS)
 
     def local(params, token_ids, positions, *hash_ids):
-        streams, pre = backbone(params, config, token_ids, hash_ids[0] if hash_ids else None, kernels,
+        streams, pre, _ = backbone(params, config, token_ids, hash_ids[0] if hash_ids else None, kernels,
                                 positions=positions, seq=seq)
         return linear(final_hidden(params, config, streams, pre), params["head"]).astype(jnp.float32)
 

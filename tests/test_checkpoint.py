@@ -169,7 +169,8 @@ def test_write_load_write_is_byte_identical(ckpt, loaded_q, tmp_path):
     write_checkpoint(loaded_q, CFG, tmp_path / "again")
     names = sorted(os.listdir(ckpt))
     assert names == sorted(os.listdir(tmp_path / "again"))
-    assert sum(n.endswith(".safetensors") for n in names) == CFG.num_hidden_layers + 2
+    # embed, one per layer, head + norm, one per draft block (the official grouping, spec §5)
+    assert sum(n.endswith(".safetensors") for n in names) == CFG.num_hidden_layers + 2 + CFG.num_nextn_predict_layers
     for fn in names:
         with open(os.path.join(ckpt, fn), "rb") as a, open(tmp_path / "again" / fn, "rb") as b:
             assert a.read() == b.read(), fn
@@ -190,12 +191,15 @@ def test_index_matches_shards(ckpt):
     itemsize = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "BF16": 2, "F32": 4}
     total = sum(math.prod(s) * itemsize[dt] for dt, s, _ in table.values())
     assert index["metadata"]["total_size"] == total
-    # official grouping: embedding first, one shard per layer, head + norm last
+    # official grouping: embedding first, one shard per layer, head + norm, one per draft block
     files = sorted(set(index["weight_map"].values()))
+    L = CFG.num_hidden_layers
     assert {n for n, v in index["weight_map"].items() if v == files[0]} == {"embed.weight"}
-    assert {n for n, v in index["weight_map"].items() if v == files[-1]} == {"head.weight", "norm.weight"}
-    for i in range(CFG.num_hidden_layers):
+    assert {n for n, v in index["weight_map"].items() if v == files[L + 1]} == {"head.weight", "norm.weight"}
+    for i in range(L):
         assert {v for n, v in index["weight_map"].items() if n.startswith(f"layers.{i}.")} == {files[i + 1]}
+    for k in range(CFG.num_nextn_predict_layers):
+        assert {v for n, v in index["weight_map"].items() if n.startswith(f"mtp.{k}.")} == {files[L + 2 + k]}
     with open(os.path.join(ckpt, "config.json")) as f:
         assert json.load(f)["text_config"]["num_hidden_layers"] == CFG.num_hidden_layers
 
@@ -250,6 +254,18 @@ EXPECTED = {
     "layers.1.engram.wkv.weight": ("F8_E4M3", (5 * D, 24 // 8 * CFG.engram_n_heads * CFG.engram_head_dim)),
     "layers.1.engram.q_weight": ("BF16", (4, D)),
     "layers.1.engram.k_weight": ("BF16", (4, D)),
+    # the DSpark drafter (spec §2.9, §5): backbone-like blocks with their own smaller MoE
+    "mtp.0.main_proj.weight": ("F8_E4M3", (D, 3 * D)),
+    "mtp.0.main_proj.scale": ("F8_E8M0", (cdiv(D, 32), cdiv(3 * D, 32))),
+    "mtp.0.main_norm.weight": ("BF16", (D,)),
+    "mtp.1.attn.wkv.weight": ("F8_E4M3", (HD, D)),
+    "mtp.1.attn.attn_sink": ("F32", (H,)),
+    "mtp.1.ffn.gate.weight": ("BF16", (CFG.dspark_n_routed_experts, D)),
+    "mtp.1.ffn.experts.7.w2.weight": ("I8", (D, F // 2)),
+    "mtp.2.norm.weight": ("BF16", (D,)),
+    "mtp.2.markov_head.embed.weight": ("BF16", (CFG.vocab_size, CFG.dspark_markov_rank)),
+    "mtp.2.markov_head.head.weight": ("BF16", (CFG.vocab_size, CFG.dspark_markov_rank)),
+    "mtp.2.confidence_head.proj.weight": ("BF16", (1, D + CFG.dspark_markov_rank)),
 }
 
 ABSENT = [
@@ -268,7 +284,10 @@ ABSENT = [
     "layers.0.attn.q_norm.scale",
     "layers.2.attn.compressor.wgate.scale",
     "layers.10.attn_norm.weight",
-    "mtp.0.attn.wq_a.weight",
+    "mtp.0.norm.weight",  # only the last draft block has the heads
+    "mtp.1.main_proj.weight",  # only the first joins the target's streams
+    "mtp.0.attn.compressor.wkv.weight",  # window-only blocks
+    "mtp.0.ffn.experts.8.w1.weight",  # dspark_n_routed_experts = 8
 ]
 
 
@@ -290,10 +309,10 @@ def test_tensor_absent(ckpt, name):
 
 def test_every_tensor_follows_the_conventions(table):
     """Independent rules of §5 applied to every written tensor."""
-    fp8 = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
-                     r"|engram\.(embed|wkv))\.weight$")
-    fp4 = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
-    f32 = re.compile(r"layers\.\d+\.(attn\.attn_sink|hc_(attn|ffn)_(fn|base|scale)|ffn\.gate\.bias(_vl)?)$")
+    fp8 = re.compile(r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
+                     r"|engram\.(embed|wkv)|main_proj)\.weight$")
+    fp4 = re.compile(r"(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+    f32 = re.compile(r"(layers|mtp)\.\d+\.(attn\.attn_sink|hc_(attn|ffn)_(fn|base|scale)|ffn\.gate\.bias(_vl)?)$")
     for name, (dtype, shape, _) in table.items():
         if name.endswith(".scale"):
             base = name[: -len(".scale")] + ".weight"
@@ -318,7 +337,8 @@ def test_every_tensor_follows_the_conventions(table):
             assert name.endswith(".weight") or re.fullmatch(r"layers\.\d+\.engram\.[qk]_weight", name), name
     # counts: every layer has all experts, 2 tensors each of 3 projections
     n_expert_tensors = sum(bool(fp4.match(n)) for n in table)
-    assert n_expert_tensors == CFG.num_hidden_layers * CFG.n_routed_experts * 3
+    assert n_expert_tensors == (CFG.num_hidden_layers * CFG.n_routed_experts
+                                + CFG.num_nextn_predict_layers * CFG.dspark_n_routed_experts) * 3
     wgate = sorted(int(n.split(".")[1]) for n in table if n.endswith("compressor.wgate.weight"))
     assert wgate == [s for s in CFG.kv_source_layer_ids if CFG.compress_ratios[s] == 2] == [2, 4]
     wk = sorted(int(n.split(".")[1]) for n in table if n.endswith("indexer.wk.weight"))
@@ -374,19 +394,26 @@ def test_logits_equal_host_quant_roundtrip_of_initial_params(params, logits_q):
     np.testing.assert_array_equal(run(host), logits_q)
 
 
-def test_mtp_tensors_are_ignored(broken, loaded_q):
-    rng = np.random.default_rng(0)
-    extra = {
-        "mtp.0.attn.wq_a.weight": rng.standard_normal((8, 8)).astype(ml_dtypes.bfloat16),
-        "mtp.0.main_proj.weight": rng.standard_normal((4, 12)).astype(np.float32),
-        "mtp.2.ffn.experts.0.w1.weight": rng.integers(-8, 8, (4, 4)).astype(np.int8),
-    }
-    rewrite_shard(os.path.join(broken, "model-mtp.safetensors"), extra)
+def test_a_checkpoint_without_the_drafter_loads_the_backbone(broken, loaded_q):
+    """HF conversions drop `mtp.*`: the params then have no drafter and the rest is unchanged."""
     index = read_index(broken)
-    index["weight_map"].update({n: "model-mtp.safetensors" for n in extra})
+    drafter_shards = {fn for n, fn in index["weight_map"].items() if n.startswith("mtp.")}
+    index["weight_map"] = {n: fn for n, fn in index["weight_map"].items() if not n.startswith("mtp.")}
     write_index(broken, index)
+    for fn in drafter_shards:
+        os.remove(os.path.join(broken, fn))
     _, p = load_checkpoint(broken, **OVERRIDES)
-    leaves_equal(p, loaded_q)
+    assert "mtp" not in p and "mtp" in loaded_q
+    leaves_equal(p, {k: v for k, v in loaded_q.items() if k != "mtp"})
+
+
+def test_a_malformed_drafter_tensor_is_named(broken):
+    path = shard_of(broken, "mtp.0.main_proj.weight")
+    tensors = read_shard(path)
+    tensors["mtp.0.main_proj.weight"] = tensors["mtp.0.main_proj.weight"][:, :D]
+    rewrite_shard(path, tensors)
+    with pytest.raises(CheckpointError, match=r"mtp\.0\.main_proj\.weight.*expected F8_E4M3"):
+        load_checkpoint(broken, **OVERRIDES)
 
 
 def test_loaded_config_keeps_release_fields_and_applies_overrides(ckpt):

@@ -69,7 +69,7 @@ CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_f
 _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
     "prefill_chunk", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
-    "cache_dir", "mesh", "eplb_interval", "eplb_slots",
+    "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context",
 )
 
 
@@ -255,6 +255,8 @@ class LLM:
         eplb_interval, eplb_slots: expert load balancing while serving: every `eplb_interval`
             steps a new layout of `eplb_slots` physical experts per layer (default: the experts plus
             one per device) is planned from the counted load and installed; None: off.
+        drafter_context: keep the DSpark drafter's context (one window ring per draft block and
+            sequence, written every step) when the checkpoint has the drafter (`mtp.*`).
 
     Unknown keyword arguments raise `ValueError` naming the argument.
     """
@@ -279,6 +281,7 @@ class LLM:
         mesh: Any = None,
         eplb_interval: int | None = None,
         eplb_slots: int | None = None,
+        drafter_context: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -296,6 +299,8 @@ class LLM:
             raise ValueError(f"dtype: must be 'float32' or 'bfloat16', got {dtype!r}")
         if not isinstance(fake_quant, bool):
             raise ValueError(f"fake_quant: must be a bool, got {fake_quant!r}")
+        if not isinstance(drafter_context, bool):
+            raise ValueError(f"drafter_context: must be a bool, got {drafter_context!r}")
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode: must be one of {', '.join(PREFILL_MODES)}, got {prefill_mode!r}")
         _positive_int("keep_tokens", keep_tokens)
@@ -336,7 +341,8 @@ class LLM:
                              num_pages=num_pages)
         engine_config = EngineConfig(budget=budget, prefill_chunk=prefill_chunk, seed=seed,
                                      prefill_mode=prefill_mode, keep_tokens=keep_tokens,
-                                     eplb_interval=eplb_interval, eplb_slots=eplb_slots)
+                                     eplb_interval=eplb_interval, eplb_slots=eplb_slots,
+                                     drafter_context=drafter_context)
         self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config, mesh=self.mesh)
         self.log_stats_interval = log_stats_interval
         self._ids = itertools.count()

@@ -32,13 +32,15 @@ class CacheBudget:
     memory_bytes: int | None = None  # if set, num_pages = what fits after the slots' bounded state
 
 
-def make_layout(config: ModelConfig, budget: CacheBudget, storage: str | None = None, dp: int = 1) -> CacheLayout:
-    """The cache's static shape; with `dp` > 1 slots and pages split evenly over the ranks."""
+def make_layout(config: ModelConfig, budget: CacheBudget, storage: str | None = None, dp: int = 1,
+                draft_rings: int = 0) -> CacheLayout:
+    """The cache's static shape; with `dp` > 1 slots and pages split evenly over the ranks;
+    `draft_rings`: window rings for the DSpark drafter's blocks (0 or all of them)."""
     storage = storage or (PACKED if config.fake_quant else "float")
     if budget.num_slots % dp:
         raise ValueError(f"max_num_seqs ({budget.num_slots}) must be a multiple of the data-parallel size dp={dp}")
     max_pages = math.ceil(budget.max_model_len / budget.page_size)
-    probe = CacheLayout(budget.num_slots, budget.page_size, 1, max_pages, storage)
+    probe = CacheLayout(budget.num_slots, budget.page_size, 1, max_pages, storage, draft_rings=draft_rings)
     if budget.memory_bytes is not None:
         free = budget.memory_bytes - budget.num_slots * slot_bytes(config, probe)
         per_page = bytes_per_token(config, probe) * budget.page_size
@@ -49,7 +51,7 @@ def make_layout(config: ModelConfig, budget: CacheBudget, storage: str | None = 
         num_pages = budget.num_pages or budget.num_slots * max_pages
         if num_pages % dp:
             raise ValueError(f"num_pages ({num_pages}) must be a multiple of the data-parallel size dp={dp}")
-    return CacheLayout(budget.num_slots, budget.page_size, num_pages, max_pages, storage, dp)
+    return CacheLayout(budget.num_slots, budget.page_size, num_pages, max_pages, storage, dp, draft_rings)
 
 
 class PageAllocator:

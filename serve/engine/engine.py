@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.drafter import has_drafter
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.api.types import Logprob, RequestOutput, SamplingParams
 from deepinfer.serve.engine import sampler
@@ -50,6 +51,9 @@ class EngineConfig:
     # experts per layer (default: one extra slot per device) from the load counted since the last
     eplb_interval: int | None = None
     eplb_slots: int | None = None
+    # keep the DSpark drafter's context (its per-block window rings) when the checkpoint has the
+    # drafter: per token one main_proj and a wkv per block; the speculative-decoding loop reads it
+    drafter_context: bool = True
 
     def __post_init__(self):
         if self.prefill_mode not in PREFILL_MODES:
@@ -82,7 +86,10 @@ class LLMEngine:
         if engine_config.prefill_mode == "compact" and engine_config.keep_tokens < config.sliding_window:
             raise ValueError(f"keep_tokens ({engine_config.keep_tokens}) must cover the sliding window "
                              f"({config.sliding_window})")
-        layout = make_layout(config, engine_config.budget, dp=1 if mesh is None else mesh.shape["dp"])
+        drafter = engine_config.drafter_context and has_drafter(params, config)
+        draft_rings = config.num_nextn_predict_layers if drafter else 0
+        layout = make_layout(config, engine_config.budget, dp=1 if mesh is None else mesh.shape["dp"],
+                             draft_rings=draft_rings)
         self.cache = CacheManager(config, layout)
         self.runner = ModelRunner(params, config, layout, engine_config.kernels, mesh=mesh,
                                   keep_logical_experts=engine_config.eplb_interval is not None)

@@ -160,6 +160,17 @@ class ModelRunner:
                      self.compile_seconds[key])
         return logits
 
+    def draft(self, slots, anchors, anchor_positions, floors=None) -> dict[str, np.ndarray]:
+        """Greedy DSpark drafts (`model.drafter.draft_from_cache`) for the sequences in global
+        cache `slots`, whose target has processed positions < `anchor_positions` and sampled
+        `anchors`: tokens, logits and confidence `[len(slots), block, ...]` on the host."""
+        from deepinfer.model.drafter import draft_from_cache
+
+        args = [jnp.asarray(a, jnp.int32) for a in (slots, anchors, anchor_positions)]
+        out = draft_from_cache(self.params, self.config, self.layout, self.cache, *args,
+                               None if floors is None else jnp.asarray(floors, jnp.int32), self.kernels)
+        return {k: np.asarray(v) for k, v in out.items()}
+
     def apply_expert_layout(self, phy2log: np.ndarray, log2phy: np.ndarray, count: np.ndarray,
                             max_replicas: int) -> None:
         """Install an EPLB layout (`[layers, ...]` arrays) between steps: every layer's routed

@@ -494,8 +494,11 @@ def _swiglu_expert(x: np.ndarray, w1: np.ndarray, w2: np.ndarray, w3: np.ndarray
 
 
 def _moe(cfg: Any, W: dict, layer: int, x: np.ndarray) -> np.ndarray:
-    p = f"layers.{layer}.ffn."
-    k = cfg.num_experts_per_tok
+    return moe_ffn(cfg, W, f"layers.{layer}.ffn.", x, cfg.n_routed_experts, cfg.num_experts_per_tok)
+
+
+def moe_ffn(cfg: Any, W: dict, p: str, x: np.ndarray, n_experts: int, k: int) -> np.ndarray:
+    """The MoE FFN under prefix `p` ("...ffn.") with `n_experts` routed experts and top-`k`."""
     scores = np.sqrt(_softplus((x @ W[p + "gate.weight"].T) / cfg.gate_temp))  # [T, E]
     chosen = _order_desc(scores + W[p + "gate.bias"][None, :])[:, :k]  # bias: selection only
     route_w = np.take_along_axis(scores, chosen, axis=1)
@@ -503,7 +506,7 @@ def _moe(cfg: Any, W: dict, layer: int, x: np.ndarray) -> np.ndarray:
         route_w = route_w / (route_w.sum(axis=-1, keepdims=True) + 1e-20)
     route_w = route_w * cfg.routed_scaling_factor
     y = np.zeros_like(x)
-    for e in range(cfg.n_routed_experts):
+    for e in range(n_experts):
         rows, slot = np.nonzero(chosen == e)
         if rows.size == 0:
             continue
@@ -697,6 +700,8 @@ def _forward_impl(weights: dict[str, np.ndarray], cfg, token_ids: np.ndarray, *,
 
     for layer in range(cfg.num_hidden_layers):
         p = f"layers.{layer}."
+        if trace is not None:
+            trace.setdefault("layer_input_streams", {})[layer] = streams
         if layer in cfg.engram_layer_ids:
             streams = _engram(cfg, W, layer, streams, hash_rows[list(cfg.engram_layer_ids).index(layer)])
 
@@ -724,6 +729,56 @@ def _forward_impl(weights: dict[str, np.ndarray], cfg, token_ids: np.ndarray, *,
 # ---------------------------------------------------------------------------------------------
 
 
+class WeightDraws:
+    """Random draws in the conventions of `random_weights` (one generator, fixed draw order)."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def lin(self, out_dim: int, in_dim: int) -> np.ndarray:
+        return self.rng.standard_normal((out_dim, in_dim)) * in_dim**-0.5
+
+    def norm(self, n: int) -> np.ndarray:
+        return 1.0 + 0.1 * self.rng.standard_normal(n)
+
+
+def block_core_weights(W: dict, p: str, cfg, draw: WeightDraws) -> None:
+    """Norms, mHC mixes and the attention core every block has (backbone layer or draft block)."""
+    D, H, hd, hc = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
+    mix = (2 + hc) * hc
+    W[p + "attn_norm.weight"] = draw.norm(D)
+    W[p + "ffn_norm.weight"] = draw.norm(D)
+    for site in ("attn", "ffn"):
+        W[p + f"hc_{site}_fn"] = draw.lin(mix, hc * D)
+        W[p + f"hc_{site}_base"] = 0.5 * draw.rng.standard_normal(mix)
+        W[p + f"hc_{site}_scale"] = 1.0 + 0.1 * draw.rng.standard_normal(3)
+    a = p + "attn."
+    W[a + "wq_a.weight"] = draw.lin(cfg.q_lora_rank, D)
+    W[a + "q_norm.weight"] = draw.norm(cfg.q_lora_rank)
+    W[a + "wq_b.weight"] = draw.lin(H * hd, cfg.q_lora_rank)
+    W[a + "wkv.weight"] = draw.lin(hd, D)
+    W[a + "kv_norm.weight"] = draw.norm(hd)
+    W[a + "wo_a.weight"] = draw.lin(cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups)
+    W[a + "wo_b.weight"] = draw.lin(D, cfg.o_groups * cfg.o_lora_rank)
+    W[a + "attn_sink"] = draw.rng.standard_normal(H)
+
+
+def moe_weights(W: dict, f: str, cfg, n_experts: int, draw: WeightDraws) -> None:
+    """Router (weight, bias, bias_vl), `n_experts` routed experts and the shared expert under `f`."""
+    D, F, E = cfg.hidden_size, cfg.moe_intermediate_size, n_experts
+    W[f + "gate.weight"] = draw.lin(E, D)
+    W[f + "gate.bias"] = 0.1 * draw.rng.standard_normal(E)
+    W[f + "gate.bias_vl"] = 0.1 * draw.rng.standard_normal(E)
+    for e in range(E):
+        W[f + f"experts.{e}.w1.weight"] = draw.lin(F, D)
+        W[f + f"experts.{e}.w3.weight"] = draw.lin(F, D)
+        W[f + f"experts.{e}.w2.weight"] = draw.lin(D, F)
+    if cfg.n_shared_experts:
+        W[f + "shared_experts.w1.weight"] = draw.lin(F, D)
+        W[f + "shared_experts.w3.weight"] = draw.lin(F, D)
+        W[f + "shared_experts.w2.weight"] = draw.lin(D, F)
+
+
 def random_weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
     """Random float64 weights under the official names for a (small) config.
 
@@ -731,72 +786,38 @@ def random_weights(cfg, seed: int = 0) -> dict[str, np.ndarray]:
     from uniform; norms ~ 1 + 0.1 N(0, 1); non-zero sinks and gate biases; hc scales ~ 1.
     Engram tables have exactly the rows the prime layout needs.
     """
-    rng = np.random.default_rng(seed)
-    D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    hc = cfg.hc_mult
-    mix = (2 + hc) * hc
-
-    def lin(out_dim: int, in_dim: int) -> np.ndarray:
-        return rng.standard_normal((out_dim, in_dim)) * in_dim**-0.5
-
-    def norm(n: int) -> np.ndarray:
-        return 1.0 + 0.1 * rng.standard_normal(n)
-
+    draw = WeightDraws(np.random.default_rng(seed))
+    D, hd, hc = cfg.hidden_size, cfg.head_dim, cfg.hc_mult
     W: dict[str, np.ndarray] = {
-        "embed.weight": rng.standard_normal((cfg.vocab_size, D)),
-        "head.weight": lin(cfg.vocab_size, D),
-        "norm.weight": norm(D),
+        "embed.weight": draw.rng.standard_normal((cfg.vocab_size, D)),
+        "head.weight": draw.lin(cfg.vocab_size, D),
+        "norm.weight": draw.norm(D),
     }
     layout = engram_layout(cfg) if cfg.engram_layer_ids else None
     for layer in range(cfg.num_hidden_layers):
         p = f"layers.{layer}."
         ratio = cfg.compress_ratios[layer]
-        W[p + "attn_norm.weight"] = norm(D)
-        W[p + "ffn_norm.weight"] = norm(D)
-        for site in ("attn", "ffn"):
-            W[p + f"hc_{site}_fn"] = lin(mix, hc * D)
-            W[p + f"hc_{site}_base"] = 0.5 * rng.standard_normal(mix)
-            W[p + f"hc_{site}_scale"] = 1.0 + 0.1 * rng.standard_normal(3)
+        block_core_weights(W, p, cfg, draw)
         a = p + "attn."
-        W[a + "wq_a.weight"] = lin(cfg.q_lora_rank, D)
-        W[a + "q_norm.weight"] = norm(cfg.q_lora_rank)
-        W[a + "wq_b.weight"] = lin(H * hd, cfg.q_lora_rank)
-        W[a + "wkv.weight"] = lin(hd, D)
-        W[a + "kv_norm.weight"] = norm(hd)
-        W[a + "wo_a.weight"] = lin(cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups)
-        W[a + "wo_b.weight"] = lin(D, cfg.o_groups * cfg.o_lora_rank)
-        W[a + "attn_sink"] = rng.standard_normal(H)
         if ratio > 0 and layer in cfg.kv_source_layer_ids:
-            W[a + "compressor.wkv.weight"] = lin(hd, D)
+            W[a + "compressor.wkv.weight"] = draw.lin(hd, D)
             if ratio > 1:
-                W[a + "compressor.wgate.weight"] = lin(hd, D)
-            W[a + "compressor.norm.weight"] = norm(hd)
-            W[a + "indexer.wk.weight"] = lin(cfg.index_head_dim, hd)
-            W[a + "indexer.k_norm.weight"] = norm(cfg.index_head_dim)
+                W[a + "compressor.wgate.weight"] = draw.lin(hd, D)
+            W[a + "compressor.norm.weight"] = draw.norm(hd)
+            W[a + "indexer.wk.weight"] = draw.lin(cfg.index_head_dim, hd)
+            W[a + "indexer.k_norm.weight"] = draw.norm(cfg.index_head_dim)
         if ratio > 0 and layer in cfg.index_source_layer_ids:
-            W[a + "indexer.wq_b.weight"] = lin(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
-            W[a + "indexer.weights_proj.weight"] = lin(cfg.index_n_heads, D)
-        f = p + "ffn."
-        E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
-        W[f + "gate.weight"] = lin(E, D)
-        W[f + "gate.bias"] = 0.1 * rng.standard_normal(E)
-        W[f + "gate.bias_vl"] = 0.1 * rng.standard_normal(E)
-        for e in range(E):
-            W[f + f"experts.{e}.w1.weight"] = lin(F, D)
-            W[f + f"experts.{e}.w3.weight"] = lin(F, D)
-            W[f + f"experts.{e}.w2.weight"] = lin(D, F)
-        if cfg.n_shared_experts:
-            W[f + "shared_experts.w1.weight"] = lin(F, D)
-            W[f + "shared_experts.w3.weight"] = lin(F, D)
-            W[f + "shared_experts.w2.weight"] = lin(D, F)
+            W[a + "indexer.wq_b.weight"] = draw.lin(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+            W[a + "indexer.weights_proj.weight"] = draw.lin(cfg.index_n_heads, D)
+        moe_weights(W, p + "ffn.", cfg, cfg.n_routed_experts, draw)
         if layer in cfg.engram_layer_ids:
             li = list(cfg.engram_layer_ids).index(layer)
             g = p + "engram."
             n_cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-            W[g + "embed.weight"] = rng.standard_normal((layout.totals[li], cfg.engram_head_dim))
-            W[g + "wkv.weight"] = lin((hc + 1) * D, n_cols * cfg.engram_head_dim)
-            W[g + "q_weight"] = norm(hc * D).reshape(hc, D)
-            W[g + "k_weight"] = norm(hc * D).reshape(hc, D)
+            W[g + "embed.weight"] = draw.rng.standard_normal((layout.totals[li], cfg.engram_head_dim))
+            W[g + "wkv.weight"] = draw.lin((hc + 1) * D, n_cols * cfg.engram_head_dim)
+            W[g + "q_weight"] = draw.norm(hc * D).reshape(hc, D)
+            W[g + "k_weight"] = draw.norm(hc * D).reshape(hc, D)
     return W
 
 

@@ -1,5 +1,6 @@
 """Engine steps against the full-sequence forward: chunked prefill followed by one-token decode
-steps must give the forward's logits at every position (model-v4.1-flash.md §7.1)."""
+steps must give the forward's logits at every position (model-v4.1-flash.md §7.1), and drafting
+from the DSpark drafter's rings they fill must equal the drafter run on the whole sequence."""
 
 import dataclasses
 
@@ -7,7 +8,8 @@ import numpy as np
 import pytest
 
 from deepinfer.model import forward, init_params, load_config
-from deepinfer.model.kv_cache import FLOAT, PACKED, CacheLayout
+from deepinfer.model.drafter import draft_after
+from deepinfer.model.kv_cache import FLOAT, PACKED, CacheLayout, init_cache, slot_bytes
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, token_bucket
 
 PROMPT_LEN = 301  # odd, not a multiple of 128, longer than the window (128) and the candidate pool (64)
@@ -26,13 +28,17 @@ def model():
     return config, init_params(config, seed=3)
 
 
-def run_chunked(config, params, ids, chunks, storage=FLOAT, slot=1, floor=0, decoder_flags=None):
+def run_chunked(config, params, ids, chunks, storage=FLOAT, slot=1, floor=0, decoder_flags=None, *,
+                draft_rings=0, runner=None, pages=(5, 17, 2, 11, 20, 8)):
     """Prefill `chunks` (token counts) with all-position logits, then decode the rest one token at
-    a time; returns logits for every position [len(ids), vocab] and the runner."""
-    layout = CacheLayout(num_slots=3, page_size=PAGE, num_pages=24, max_pages_per_slot=8, storage=storage)
-    runner = ModelRunner(params, config, layout)
+    a time; returns logits for every position [len(ids), vocab] and the runner (a new one unless
+    given; `draft_rings`: keep the DSpark drafter's context)."""
+    if runner is None:
+        layout = CacheLayout(num_slots=3, page_size=PAGE, num_pages=24, max_pages_per_slot=8, storage=storage,
+                             draft_rings=draft_rings)
+        runner = ModelRunner(params, config, layout)
     table = np.full((3, 8), -1, np.int32)
-    table[slot, :6] = [5, 17, 2, 11, 20, 8]  # scattered physical pages
+    table[slot, :len(pages)] = pages  # scattered physical pages
     out, start = [], 0
     for i, n in enumerate(chunks):
         work = [ChunkWork(slot, ids[start:start + n], start, ids[:start], floor)]
@@ -96,3 +102,87 @@ def test_compact_prefill_keeps_the_global_kv_of_every_prompt_token(model):
     pages = [5, 17, 2, 11, 20]
     for src, (a, b) in enumerate(zip(compact.runner_cache_entries(), full.runner_cache_entries())):
         np.testing.assert_allclose(a[pages], b[pages], rtol=1e-5, atol=1e-5, err_msg=f"source {src}")
+
+
+# ---- the DSpark drafter's rings --------------------------------------------------------------
+
+
+def _drafts_close(ours, ref, tol):
+    rel = np.abs(ours["logits"] - ref["logits"]).max() / np.abs(ref["logits"]).max()
+    assert rel <= tol, rel
+    np.testing.assert_array_equal(ours["tokens"], ref["tokens"])
+    np.testing.assert_allclose(ours["confidence"], ref["confidence"], atol=tol)
+
+
+def _whole_sequence_drafts(config, params, ids, anchor):
+    return {k: np.asarray(v) for k, v in draft_after(params, config, ids[None], anchor).items()}
+
+
+@pytest.mark.parametrize("chunks", [[128, 60], [188]])
+def test_drafts_from_the_cache_equal_the_whole_sequence_drafter(model, chunks):
+    """Prompt 188 + 13 decode steps (longer than the 128-token window): the rings hold the last
+    128 context rows of every draft block, written by prefill chunks and by decode steps."""
+    config, params = model
+    ids = _ids(201, seed=21)
+    _, runner = run_chunked(config, params, ids, chunks, draft_rings=config.num_nextn_predict_layers)
+    anchor = np.array([4242])
+    ours = runner.draft([1], anchor, [len(ids)])
+    assert ours["tokens"].shape == (1, config.dspark_block_size)
+    _drafts_close(ours, _whole_sequence_drafts(config, params, ids, anchor), 1e-4)
+
+
+def test_drafts_for_several_sequences_and_a_short_prompt(model):
+    """Two sequences in different slots, one shorter than the window (rings partly empty)."""
+    config, params = model
+    long_ids, short_ids = _ids(150, seed=22), _ids(37, seed=23)
+    _, runner = run_chunked(config, params, long_ids, [128, 20], slot=0, pages=[1, 3, 4],
+                            draft_rings=config.num_nextn_predict_layers)
+    run_chunked(config, params, short_ids, [37], slot=2, pages=[6], runner=runner)
+    anchors = np.array([17, 99])
+    ours = runner.draft([0, 2], anchors, [150, 37])
+    for row, ids in enumerate((long_ids, short_ids)):
+        _drafts_close({k: v[row:row + 1] for k, v in ours.items()},
+                      _whole_sequence_drafts(config, params, ids, anchors[row:row + 1]), 1e-4)
+
+
+def test_compact_prefill_fills_the_draft_rings_from_the_kept_tail(model):
+    """Compact prefill (keep 140 >= window): a chunk below the replay floor writes no draft rows
+    and the kept tail writes the whole window. Compact changes the decoder layers' values near the
+    floor by design, so compare with compact in one chunk (every row's decoder pass in the same
+    program), not with the full-fidelity drafter."""
+    config, params = model
+    ids = _ids(300, seed=24)
+    floor = len(ids) - 140
+    anchor = np.array([7])
+    drafts = []
+    for chunks, flags in (([128, 128, 44], [False, True, True]), ([300], [True])):
+        _, runner = run_chunked(config, params, ids, chunks, floor=floor, decoder_flags=flags,
+                                draft_rings=config.num_nextn_predict_layers)
+        drafts.append(runner.draft([1], anchor, [len(ids)], floors=[floor]))
+    _drafts_close(drafts[0], drafts[1], 1e-4)
+
+
+def test_packed_draft_rings_with_fake_quant(model):
+    """QAT on: the rings are FP8 + UE8M0 like the layers' (lossless on the fake-quant grid)."""
+    config, params = model
+    config = dataclasses.replace(config, fake_quant=True)
+    ids = _ids(150, seed=25)
+    _, runner = run_chunked(config, params, ids, [128, 12], storage=PACKED, draft_rings=config.num_nextn_predict_layers)
+    anchor = np.array([11])
+    ours = runner.draft([1], anchor, [len(ids)])
+    ref = _whole_sequence_drafts(config, params, ids, anchor)
+    rel = np.abs(ours["logits"] - ref["logits"]).max() / np.abs(ref["logits"]).max()
+    assert rel <= 1e-2, rel
+
+
+def test_layout_counts_the_draft_rings(model):
+    config, _ = model
+    plain = CacheLayout(num_slots=2, page_size=PAGE, num_pages=4, max_pages_per_slot=2, storage=PACKED)
+    drafted = dataclasses.replace(plain, draft_rings=3)
+    real = load_config("deepseek-v4.1-flash")
+    per_ring = real.sliding_window * (real.head_dim + real.head_dim // 32)  # FP8 values + UE8M0 scales
+    assert slot_bytes(real, drafted) - slot_bytes(real, plain) == 3 * per_ring
+    cache = init_cache(config, dataclasses.replace(drafted, storage=FLOAT))
+    assert cache.window[0].shape[0] == config.num_hidden_layers + 3
+    with pytest.raises(ValueError, match="draft_rings"):
+        init_cache(config, dataclasses.replace(plain, draft_rings=2, storage=FLOAT))
