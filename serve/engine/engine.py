@@ -139,6 +139,25 @@ class LLMEngine:
         request.metrics.finished_time = time.time()
         return request.to_output()
 
+    def draft(self, request_ids: list[str]) -> dict[str, dict[str, np.ndarray]]:
+        """Greedy DSpark drafts for running requests from the drafter rings: the block after each
+        request's last sampled token (its anchor), i.e. what speculative decoding would verify
+        next: `tokens`, `logits`, `confidence` `[block, ...]` per request. Between steps every
+        decoding request qualifies (its last sample is not in the cache yet)."""
+        if not self.cache.layout.draft_rings:
+            raise ValueError("this engine keeps no drafter context: the checkpoint has no DSpark drafter "
+                             "(mtp.*) or drafter_context is off")
+        rows = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status != Status.RUNNING or not request.output_ids or request.to_feed != 1:
+                raise ValueError(f"request {request_id!r}: drafting needs a running request whose last sampled "
+                                 "token is not in the cache yet")
+            rows.append(request)
+        out = self.runner.draft([r.slot for r in rows], [r.output_ids[-1] for r in rows],
+                                [r.length - 1 for r in rows], [r.floor for r in rows])
+        return {r.request_id: {k: out[k][i] for k in ("tokens", "logits", "confidence")} for i, r in enumerate(rows)}
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 

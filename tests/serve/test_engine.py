@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from deepinfer.model import forward, init_params, load_config
+from deepinfer.model.drafter import draft_after
 from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import AdmissionError, CacheBudget
@@ -122,3 +123,29 @@ def run_single(engine, ids, params):
     outputs = run(engine)
     (out,) = outputs.values()
     return out
+
+
+def test_drafts_of_running_requests_equal_the_whole_sequence_drafter(model):
+    """Mid-generation, with two requests batched (one past the window, one short, one joined
+    later), the engine's drafter rings give the drafts of the whole sequence so far."""
+    config, params, _ = model
+    engine = make_engine(model)
+    engine.add_request("long", prompt(150, 4), SamplingParams(max_tokens=20, **GREEDY))
+    engine.add_request("short", prompt(30, 5), SamplingParams(max_tokens=20, **GREEDY))
+    for _ in range(4):
+        engine.step()
+    engine.add_request("late", prompt(60, 6), SamplingParams(max_tokens=20, **GREEDY))
+    for _ in range(3):
+        engine.step()
+    drafts = engine.draft(["long", "short", "late"])
+    for rid, got in drafts.items():
+        ids = engine.requests[rid].all_ids
+        ref = draft_after(params, config, np.asarray(ids[:-1])[None], np.asarray(ids[-1:]))
+        assert got["tokens"].tolist() == np.asarray(ref["tokens"])[0].tolist(), rid
+        rel = np.abs(got["logits"] - np.asarray(ref["logits"])[0]).max() / np.abs(np.asarray(ref["logits"])).max()
+        assert rel <= 1e-4, (rid, rel)
+    with pytest.raises(ValueError, match="'nope'"):
+        engine.draft(["nope"])
+    engine.add_request("waiting", prompt(10, 7), SamplingParams(max_tokens=2, **GREEDY))
+    with pytest.raises(ValueError, match="'waiting'"):
+        engine.draft(["waiting"])
