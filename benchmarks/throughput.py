@@ -49,7 +49,7 @@ def _run(engine: LLMEngine, prompts, output_len: int, tag: str) -> tuple[float, 
 def bench_throughput(params, config, tokenizer, batch: int, input_len: int, output_len: int,
                      drafter_context: bool = True) -> dict:
     budget = CacheBudget(num_slots=batch, max_model_len=input_len + output_len + 64, page_size=128)
-    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=512, prefill_rows=1,
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=512,
                                                                drafter_context=drafter_context))
     t0 = time.perf_counter()
     _run(engine, _prompts(batch, input_len, seed=1), output_len, "warmup")  # compiles every shape
@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     print(f"model: {config.name} (random weights), dtype {config.dtype}, fake_quant {config.fake_quant}, "
           f"cache rows FP8/FP4 packed; kernels: reference (jnp)")
     print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}); mesh: single device")
-    print(f"range_ratio=0 (vLLM semantics): input_len={args.input_len} output_len={args.output_len}\n")
+    print(f"range_ratio=0 (vLLM semantics): input_len={args.input_len} output_len={args.output_len}; "
+          f"prefill_chunk 512, prefill_rows {EngineConfig().prefill_rows} per step\n")
 
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         r = bench_throughput(params, config, tokenizer, batch, args.input_len, args.output_len)
