@@ -3,7 +3,7 @@
 
     python benchmarks/throughput.py [--input-len 128] [--output-len 32] [--batch-sizes 1,8,32]
                                     [--contexts 1024,8192,32768] [--prefill-len 2048]
-                                    [--drafter-batch 8]
+                                    [--drafter-batch 8] [--prefill-rows 1]
 
 Compile and warm-up time are excluded from every measured window (each shape runs once before
 it is timed) and printed separately. Lengths are fixed (range_ratio=0, vLLM semantics);
@@ -47,9 +47,10 @@ def _run(engine: LLMEngine, prompts, output_len: int, tag: str) -> tuple[float, 
 
 
 def bench_throughput(params, config, tokenizer, batch: int, input_len: int, output_len: int,
-                     drafter_context: bool = True) -> dict:
+                     drafter_context: bool = True, prefill_rows: int = 1) -> dict:
     budget = CacheBudget(num_slots=batch, max_model_len=input_len + output_len + 64, page_size=128)
     engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=512,
+                                                               prefill_rows=prefill_rows,
                                                                drafter_context=drafter_context))
     t0 = time.perf_counter()
     _run(engine, _prompts(batch, input_len, seed=1), output_len, "warmup")  # compiles every shape
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--drafter-batch", type=int, default=8, help="batch of the drafter-context comparison (0: skip)")
+    ap.add_argument("--prefill-rows", type=int, default=1, help="prompt chunks prefilled together per step")
     args = ap.parse_args(argv)
 
     config = load_config("tiny-v4.1")
@@ -106,10 +108,11 @@ def main(argv=None) -> int:
           f"cache rows FP8/FP4 packed; kernels: reference (jnp)")
     print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}); mesh: single device")
     print(f"range_ratio=0 (vLLM semantics): input_len={args.input_len} output_len={args.output_len}; "
-          f"prefill_chunk 512, prefill_rows {EngineConfig().prefill_rows} per step\n")
+          f"prefill_chunk 512, prefill_rows {args.prefill_rows} per step\n")
 
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        r = bench_throughput(params, config, tokenizer, batch, args.input_len, args.output_len)
+        r = bench_throughput(params, config, tokenizer, batch, args.input_len, args.output_len,
+                             prefill_rows=args.prefill_rows)
         total = r["prompt_tokens"] + r["output_tokens"]
         print(f"batch {batch}:")
         print(f"Throughput: {batch / r['elapsed']:.2f} requests/s, {total / r['elapsed']:.2f} total tokens/s, "
@@ -121,7 +124,8 @@ def main(argv=None) -> int:
     if args.drafter_batch:
         rates = {}
         for on in (True, False):
-            r = bench_throughput(params, config, tokenizer, args.drafter_batch, args.input_len, args.output_len, on)
+            r = bench_throughput(params, config, tokenizer, args.drafter_batch, args.input_len, args.output_len, on,
+                                 args.prefill_rows)
             rates[on] = (r["prompt_tokens"] + r["output_tokens"]) / r["elapsed"]
         print(f"DSpark drafter context (its window rings written every step), batch {args.drafter_batch}: "
               f"{rates[True]:.1f} total tokens/s with, {rates[False]:.1f} without ({rates[True] / rates[False]:.2f}x)\n")

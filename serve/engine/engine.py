@@ -40,10 +40,10 @@ PREFILL_MODES = ("full", "compact")  # logit bias that keeps EOS/stop tokens out
 class EngineConfig:
     budget: CacheBudget = CacheBudget()
     prefill_chunk: int = 512
-    # prompts (chunks) prefilled together per step and dp rank: 4 admits a burst of requests in
-    # a quarter of the steps (each step also runs the decode of every running request); measured
-    # 1.49x total tokens/s at batch 32 over 1 (benchmarks/throughput.py workload)
-    prefill_rows: int = 4
+    # prompts (chunks) prefilled together per step and dp rank; more admit a burst of requests in
+    # fewer steps (each step also runs the decode of every running request): 4 measured 1.49x
+    # total tokens/s at batch 32 (benchmarks/throughput.py), at the price of more compiled shapes
+    prefill_rows: int = 1
     seed: int = 0
     kernels: KernelConfig | None = None
     # "compact" (DeepInfer's default): decoder layers run only on each prompt's last

@@ -28,7 +28,7 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, *, prefill_chunk: int = 512, prefill_rows: int = 4):
+    def __init__(self, cache: CacheManager, *, prefill_chunk: int = 512, prefill_rows: int = 1):
         if prefill_chunk % 128:
             raise ValueError(f"prefill_chunk must be a multiple of 128, got {prefill_chunk}")
         self.cache = cache
