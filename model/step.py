@@ -141,9 +141,7 @@ def _attention_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: in
     key_pos = jnp.concatenate([ring_pos, chunk.whole.positions], axis=1)
     mask = window_mask(positions, key_pos, config.sliding_window)
     mask = mask & valid[:, :, None] & (key_pos >= _floor(config, layer, batch)[:, None])[:, None, :]
-    stored = encode("window", kv if layout.storage == FLOAT else kv_raw, layout.storage)
-    for i, (array, values) in enumerate(zip(st.window, stored)):
-        st.window[i] = array.at[layer, batch.slots[:, None], write_idx].set(values.astype(array.dtype), mode="drop")
+    _write_ring(st, layout, layer, batch.slots, write_idx, kv_raw, kv)
 
     B, T, _ = x.shape
     entries = jnp.zeros((B, 0, config.head_dim), dtype)
@@ -161,6 +159,16 @@ def _attention_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: in
     return output_projection(p, config, layer, o, positions)
 
 
+def _write_ring(st: _State, layout: CacheLayout, ring: int, slots: jax.Array, write_idx: jax.Array,
+                kv_raw: jax.Array, kv: jax.Array) -> None:
+    """Store window KV rows into ring `ring` (a layer's, or a draft block's after them) at
+    `write_idx` (W = dropped): packed rows encode `kv_raw` (the codec quantizes), float rows keep
+    the fake-quantized `kv`."""
+    stored = encode("window", kv if layout.storage == FLOAT else kv_raw, layout.storage)
+    for i, (array, values) in enumerate(zip(st.window, stored)):
+        st.window[i] = array.at[ring, slots[:, None], write_idx].set(values.astype(array.dtype), mode="drop")
+
+
 def _write_draft_rings(params: dict, config: ModelConfig, layout: CacheLayout, means: list[jax.Array],
                        chunk: _Chunk, write_idx: jax.Array, st: _State) -> None:
     """The drafter's context KV of the chunk (from the target layers' stream `means`) into the
@@ -168,11 +176,8 @@ def _write_draft_rings(params: dict, config: ModelConfig, layout: CacheLayout, m
     main_x = context_input(params, config, means)
     for i in range(layout.draft_rings):
         raw = chunk.gather(context_kv(params, config, i, main_x, chunk.batch.positions))
-        stored = encode("window", qat.window_kv(raw, config) if layout.storage == FLOAT else raw, layout.storage)
-        ring = config.num_hidden_layers + i
-        for j, (array, values) in enumerate(zip(st.window, stored)):
-            st.window[j] = array.at[ring, chunk.batch.slots[:, None], write_idx].set(values.astype(array.dtype),
-                                                                                     mode="drop")
+        kv = qat.window_kv(raw, config) if layout.storage == FLOAT else raw  # packed: the codec quantizes
+        _write_ring(st, layout, config.num_hidden_layers + i, chunk.batch.slots, write_idx, raw, kv)
 
 
 def _floor(config: ModelConfig, layer: int, batch: StepBatch) -> jax.Array:

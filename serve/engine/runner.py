@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer.model.config import ModelConfig
+from deepinfer.model.drafter import draft_from_cache, has_drafter
 from deepinfer.model.forward import engram_hash_ids
 from deepinfer.model.kv_cache import CacheLayout, init_cache, reset_slots
 from deepinfer.model.step import StepBatch, forward_step
@@ -55,6 +56,9 @@ class ModelRunner:
         self.layout = layout
         self.kernels = kernels
         self.mesh_step = None
+        if layout.draft_rings and not has_drafter(params, config):
+            raise ValueError("the cache layout keeps drafter rings (draft_rings > 0) but the params have no DSpark "
+                             "drafter (`mtp.*` of a DeepSeek-V4.1 checkpoint)")
         # what EPLB layouts are built from (kept only when asked: a second copy of the experts)
         self._logical_ffn = [lp["ffn"] for lp in params["layers"]] if keep_logical_experts else None
         if mesh is not None:
@@ -164,8 +168,6 @@ class ModelRunner:
         """Greedy DSpark drafts (`model.drafter.draft_from_cache`) for the sequences in global
         cache `slots`, whose target has processed positions < `anchor_positions` and sampled
         `anchors`: tokens, logits and confidence `[len(slots), block, ...]` on the host."""
-        from deepinfer.model.drafter import draft_from_cache
-
         args = [jnp.asarray(a, jnp.int32) for a in (slots, anchors, anchor_positions)]
         out = draft_from_cache(self.params, self.config, self.layout, self.cache, *args,
                                None if floors is None else jnp.asarray(floors, jnp.int32), self.kernels)

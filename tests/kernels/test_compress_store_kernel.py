@@ -233,12 +233,6 @@ def test_registered():
 # ---- the reference is today's engine step ---------------------------------------------------
 
 
-def _gather_pages(pool, page_table):
-    """`model.step._gather_pages`: a sequence's rows in logical order."""
-    table = jnp.maximum(page_table, 0)
-    return tuple(a[table].reshape(table.shape[0], -1, *a.shape[2:]) for a in pool)
-
-
 def todays_source_step(p, config, layout, layer, x, batch, valid, st):
     """`model.step._source_step` as it is before the registry op, verbatim (frozen here as the
     oracle, so this test keeps its meaning once the step calls the op)."""
@@ -246,6 +240,7 @@ def todays_source_step(p, config, layout, layer, x, batch, valid, st):
     from deepinfer.model.kv_cache import decode, encode, pending_sources
     from deepinfer.model.layers import apply_rope, compress_inv_freq, linear, rms_norm
     from deepinfer.model.params import compute_dtype
+    from deepinfer.model.step import _gather_pages
 
     def _write_rows(pool, rows, *index):
         for i, (array, values) in enumerate(zip(pool, rows)):
@@ -293,33 +288,6 @@ def todays_source_step(p, config, layout, layer, x, batch, valid, st):
     st.shared["index_keys", layer] = decode("index", _gather_pages(st.index_keys[src], batch.page_table), dtype)
 
 
-def source_step_replacement(p, config, layout, layer, x, batch, valid, st, kernels=None):
-    """The proposed body of `model.step._source_step` (the registry op instead of inline code)."""
-    from deepinfer.model import compressor
-    from deepinfer.model.kv_cache import decode, pending_sources
-    from deepinfer.model.layers import compress_inv_freq
-    from deepinfer.model.params import compute_dtype
-    from deepinfer.pallas_kernels.registry import get_kernel
-
-    ratio = config.compress_ratios[layer]
-    src = config.kv_source_layer_ids.index(layer)
-    k = pending_sources(config).index(layer) if ratio > 1 else None
-    kv, gate = compressor.project(p["compressor"], x, ratio)
-    store = get_kernel("compress_store", kernels)
-    entries, keys, pending = store(
-        kv, gate, batch.positions, valid, batch.page_table, tuple(st.entries[src]), tuple(st.index_keys[src]),
-        None if k is None else st.pending[k], batch.slots, batch.last_index,
-        ratio=ratio, norm=p["compressor"]["norm"], wk=p["indexer"]["wk"], k_norm=p["indexer"]["k_norm"],
-        inv_freq=compress_inv_freq(config), eps=config.rms_norm_eps, dtype=x.dtype, storage=layout.storage,
-        fake_quant=config.fake_quant)
-    st.entries[src], st.index_keys[src] = list(entries), list(keys)
-    if k is not None:
-        st.pending[k] = pending
-    dtype = compute_dtype(config)
-    st.shared["entries", layer] = decode("entry", _gather_pages(st.entries[src], batch.page_table), dtype)
-    st.shared["index_keys", layer] = decode("index", _gather_pages(st.index_keys[src], batch.page_table), dtype)
-
-
 @functools.cache
 def _tiny(dtype: str):
     from deepinfer.model import init_params, load_config
@@ -331,13 +299,13 @@ def _tiny(dtype: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("storage,dtype", [(PACKED, "float32"), (FLOAT, "float32"), (PACKED, "bfloat16")])
 def test_reference_equals_todays_source_step(storage, dtype):
-    """Today's `_source_step` and the replacement (reference op, and the interpreted kernels),
-    over two consecutive steps on one cache (`model.step._State`): pools, pending state and the
+    """The inline `_source_step` of before the registry op (frozen above) and today's step through
+    the op (reference, and the interpreted kernels), over two consecutive steps on one cache (`model.step._State`): pools, pending state and the
     published entries and keys agree bit for bit, at a ratio-2 source (layer 2) and the ratio-1
     source (layer 5)."""
     from deepinfer.model.kv_cache import CacheLayout, init_cache
     from deepinfer.model.params import compute_dtype
-    from deepinfer.model.step import StepBatch, _State
+    from deepinfer.model.step import StepBatch, _source_step, _State
     from deepinfer.pallas_kernels.registry import KernelConfig
 
     config, params = _tiny(dtype)
@@ -363,10 +331,10 @@ def test_reference_equals_todays_source_step(storage, dtype):
 
     kernels = KernelConfig(ops=(("compress_store", KERNEL_BACKEND),))
     assert registry.resolve("compress_store", kernels)[0].backend == KERNEL_BACKEND
-    interpret = functools.partial(source_step_replacement, kernels=kernels)
+    interpret = functools.partial(_source_step, kernels=kernels)
     # (step function, compiled with XLA's own CPU math only): the reference must equal today's
     # step as compiled by default; the kernel is compared under `_ONE_MATH` (see there)
-    variants = {"today": (todays_source_step, False), "reference": (source_step_replacement, False),
+    variants = {"today": (todays_source_step, False), "reference": (_source_step, False),
                 "today_one_math": (todays_source_step, True), "interpret": (interpret, True)}
     results = {name: init_cache(config, layout) for name in variants}
     steps = [(np.array([0, 3, 0]), np.array([7, 4, 0])), (np.array([7, 7, 0]), np.array([3, 7, 5]))]

@@ -186,3 +186,10 @@ def test_layout_counts_the_draft_rings(model):
     assert cache.window[0].shape[0] == config.num_hidden_layers + 3
     with pytest.raises(ValueError, match="draft_rings"):
         init_cache(config, dataclasses.replace(plain, draft_rings=2, storage=FLOAT))
+
+
+def test_draft_rings_need_the_drafter_params(model):
+    config, params = model
+    layout = CacheLayout(num_slots=2, page_size=PAGE, num_pages=4, max_pages_per_slot=2, storage=FLOAT, draft_rings=3)
+    with pytest.raises(ValueError, match=r"no DSpark drafter \(`mtp\.\*`"):
+        ModelRunner({k: v for k, v in params.items() if k != "mtp"}, config, layout)
