@@ -225,6 +225,14 @@ class SamplingParams:
 
     # ------------------------------------------------------------------ helpers
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every token id these params name must exist in the model's vocabulary; the engine
+        calls this when the request is made, so a bad id never reaches a batched step."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
+            for tid in ids:
+                if tid >= vocab_size:
+                    _fail(name, f"token id {tid} is outside the vocabulary [0, {vocab_size})")
+
     @property
     def greedy(self) -> bool:
         """True when decoding is greedy (temperature ~ 0, as vLLM decides it)."""

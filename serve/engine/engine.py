@@ -36,6 +36,11 @@ _SUPPRESS = -1e9
 PREFILL_MODES = ("full", "compact")  # logit bias that keeps EOS/stop tokens out until min_tokens
 
 
+class EngineStalledError(RuntimeError):
+    """A step could not advance any request (an engine bug, never a request's fault): raised
+    instead of looping forever, naming the requests and how far each got."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     budget: CacheBudget = CacheBudget()
@@ -125,6 +130,7 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        params.check_vocabulary(self.config.vocab_size)
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs: at most {MAX_LOGPROBS} alternatives are supported, got {params.logprobs}")
         self.cache.check_admissible(len(ids), self.cache.layout.max_len)
@@ -178,8 +184,12 @@ class LLMEngine:
         self.runner.reset([r.slot for r in plan.admitted])
         finished: list[Request] = []
         to_sample: list[tuple[Request, np.ndarray]] = []
-        for decoder in (False, True):  # chunks wholly below the replay floor run encoder-only
-            group = [(r, n) for r, n in plan.prefill if (r.computed + n > r.floor) == decoder]
+        # chunks wholly below the replay floor run encoder-only; split before either pass runs,
+        # since the encoder-only pass advances `computed`
+        groups = {False: [], True: []}
+        for r, n in plan.prefill:
+            groups[r.computed + n > r.floor].append((r, n))
+        for decoder, group in groups.items():
             if not group:
                 continue
             work = [ChunkWork(r.slot, np.asarray(r.all_ids[r.computed:r.computed + n], np.int32), r.computed,
@@ -203,6 +213,7 @@ class LLMEngine:
         if to_sample:
             self._sample(to_sample, finished)
         self._finish_stuck(plan, finished)
+        self._check_progress(plan, finished)
         self._step_count += 1
         if self.balancer is not None and self.balancer.due(self._step_count):
             layout = self.balancer.update(self.runner.expert_load)
@@ -216,6 +227,19 @@ class LLMEngine:
             outputs.append(request.to_output())
             self.requests.pop(request.request_id, None)
         return outputs
+
+    def _check_progress(self, plan, finished: list[Request]) -> None:
+        """Refuse to spin: a step that computed no token, finished and preempted no request
+        leaves the engine as it was, so the next step would do the same forever."""
+        broken = [r for r in self.scheduler.running if not 0 <= r.computed <= r.length]
+        if broken:
+            raise EngineStalledError("engine invariant broken: " + ", ".join(
+                f"request {r.request_id!r} has {r.computed} tokens computed of {r.length}" for r in broken))
+        if plan.prefill or plan.decode or plan.admitted or plan.preempted or finished or not self.scheduler.has_work:
+            return
+        state = [f"{r.request_id!r} (running, {r.computed}/{r.length} tokens computed)" for r in self.scheduler.running]
+        state += [f"{r.request_id!r} (waiting, {r.length} tokens)" for r in self.scheduler.waiting]
+        raise EngineStalledError("engine step scheduled no work and no request can advance: " + ", ".join(state))
 
     def _finish_stuck(self, plan, finished: list[Request]) -> None:
         """A lone running request that cannot get another page ends with "length"."""
@@ -311,4 +335,4 @@ class LLMEngine:
         return False
 
 
-__all__ = ["AdmissionError", "EngineConfig", "LLMEngine"]
+__all__ = ["AdmissionError", "EngineConfig", "EngineStalledError", "LLMEngine"]

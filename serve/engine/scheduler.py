@@ -109,7 +109,23 @@ class Scheduler:
             self.cache.ensure(request.slot, request.computed + chunk)
             plan.prefill.append((request, chunk))
             rows[rank] += 1
+        if not plan.prefill and not plan.decode:
+            self._unblock_prefill(plan)
         return plan
+
+    def _unblock_prefill(self, plan: StepPlan) -> None:
+        """Nothing can run: every running request is mid-prefill and waits for pages the others
+        hold. Preempt the newest ones until the oldest can take its next chunk."""
+        for request in sorted(self.running, key=lambda r: r.arrival_order):
+            if request.to_feed <= 1:
+                continue
+            chunk = min(request.to_feed, self.prefill_chunk)
+            while not self.cache.can_allocate(request.computed + chunk, request.slot):
+                if not self._preempt(plan, keep=request):
+                    return
+            self.cache.ensure(request.slot, request.computed + chunk)
+            plan.prefill.append((request, chunk))
+            return
 
     @property
     def has_work(self) -> bool:
