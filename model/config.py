@@ -592,6 +592,8 @@ def load_config(name_or_path: str | os.PathLike, **overrides: Any) -> ModelConfi
                 raw = json.load(f)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
         try:
             config = config_from_dict(raw, source=path, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
         except ConfigError as e:
