@@ -192,7 +192,7 @@ class _ShardSet:
     def __init__(self, directory: str, check_values: bool = True):
         self.directory = directory
         self.check_values = check_values
-        self._checked: set[str] = set()
+        self._checked: set[tuple[str, str]] = set()
         if os.path.isfile(os.path.join(directory, INDEX_FILE)):
             self.weight_map = read_index(directory)
         else:
@@ -222,14 +222,17 @@ class _ShardSet:
             raise CheckpointError(f"tensor `{name}` is listed in {INDEX_FILE} but missing from {f.path}")
         return f
 
-    def get(self, name: str) -> np.ndarray:
+    def get(self, name: str, index: tuple = ()) -> np.ndarray:
+        """The slice `index` of tensor `name` (a view of the memory map), its values checked once."""
         f = self.file(name)
-        array = f.get(name)
-        if self.check_values and name not in self._checked:
-            problem = value_problem(array, f.dtype_name(name))
+        array = f.get(name)[index]
+        if self.check_values and (name, repr(index)) not in self._checked:
+            origin = tuple(0 if s.start is None else s.start for s in index) if all(
+                isinstance(s, slice) for s in index) else ()
+            problem = value_problem(array, f.dtype_name(name), origin)
             if problem:
                 raise CheckpointError(f"tensor `{name}` in {f.path}: {problem}")
-            self._checked.add(name)
+            self._checked.add((name, repr(index)))
         return array
 
     def is_open(self, filename: str) -> bool:
@@ -279,10 +282,10 @@ def _place(shape, dtype, sharding, read) -> jax.Array:
     return jax.make_array_from_callback(tuple(shape), sharding, lambda idx: np.ascontiguousarray(read(idx)).astype(dtype))
 
 
-def _stacked_reader(shards: _ShardSet, names: list[str], transform=lambda a: a):
+def _stacked_reader(shards: _ShardSet, names: list[str]):
     def read(index):
         experts = range(len(names))[index[0]]
-        return np.stack([transform(shards.get(names[e]))[index[1:]] for e in experts])
+        return np.stack([shards.get(names[e], index[1:]) for e in experts])
 
     return read
 
@@ -301,8 +304,8 @@ def _load_leaf(spec: ParamSpec, shards: _ShardSet, config: ModelConfig, sharding
             q = _place(q_shape, q_dtype, sharding.q, _stacked_reader(shards, weights))
             s = _place(s_shape, ml_dtypes.float8_e8m0fnu, sharding.scale, _stacked_reader(shards, scales))
         else:
-            q = _place(q_shape, q_dtype, sharding.q, lambda idx: shards.get(weights[0])[idx])
-            s = _place(s_shape, ml_dtypes.float8_e8m0fnu, sharding.scale, lambda idx: shards.get(scales[0])[idx])
+            q = _place(q_shape, q_dtype, sharding.q, lambda idx: shards.get(weights[0], idx))
+            s = _place(s_shape, ml_dtypes.float8_e8m0fnu, sharding.scale, lambda idx: shards.get(scales[0], idx))
         return QuantWeight(q, s, kind=spec.storage, block=quant_block(spec, config))
 
     if quantized:
@@ -317,7 +320,7 @@ def _load_leaf(spec: ParamSpec, shards: _ShardSet, config: ModelConfig, sharding
         return _place(spec.shape, dense_dt, sharding, lambda idx: dense_of(0)[idx])
     if spec.experts:
         return _place(spec.shape, dense_dt, sharding, _stacked_reader(shards, weights))
-    return _place(spec.shape, dense_dt, sharding, lambda idx: shards.get(weights[0])[idx])
+    return _place(spec.shape, dense_dt, sharding, lambda idx: shards.get(weights[0], idx))
 
 
 def _default_mesh(mesh):

@@ -43,12 +43,13 @@ def _bad_mask(bits: np.ndarray, dtype_name: str) -> np.ndarray | None:
     return None
 
 
-def value_problem(array: np.ndarray, dtype_name: str) -> str | None:
+def value_problem(array: np.ndarray, dtype_name: str, origin: tuple[int, ...] = ()) -> str | None:
     """What is wrong with the stored values of one tensor (or slice), or None when they are fine.
 
     `array` holds the stored values (any float dtype of the format, or the raw bytes of F8 types);
-    `dtype_name` is its safetensors dtype. Integer tensors (the MXFP4 `I8` nibbles among them)
-    have no invalid values."""
+    `dtype_name` is its safetensors dtype; `origin` is where a slice starts in its tensor (indices
+    in the message are the tensor's). Integer tensors (the MXFP4 `I8` nibbles among them) have no
+    invalid values."""
     if dtype_name not in _FLOAT_MASKS and dtype_name != "F8_E8M0":
         return None
     unsigned = _FLOAT_MASKS.get(dtype_name, (np.uint8, 0))[0]
@@ -66,7 +67,9 @@ def value_problem(array: np.ndarray, dtype_name: str) -> str | None:
                 nan_scales += int(np.count_nonzero(bits == 255))
     if not count:
         return None
-    where = f"first at index {list(np.unravel_index(first, array.shape))}" if array.shape else "the scalar"
+    position = [int(i) for i in np.unravel_index(first, array.shape)]
+    position = [i + (origin[k] if k < len(origin) else 0) for k, i in enumerate(position)]
+    where = f"first at index {position}" if array.shape else "the scalar"
     if dtype_name != "F8_E8M0":
         return f"{count} non-finite value(s) (NaN or Inf), {where}"
     byte = int(flat[first])

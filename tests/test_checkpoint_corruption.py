@@ -390,3 +390,21 @@ def test_random_byte_damage_is_always_a_named_error(good, tmp_path):
         assert d in str(e.value), (target, str(e.value))
         report = verify_checkpoint(d)
         assert not report.ok and all(d in p for p in report.problems), (target, report.problems)
+
+
+def test_a_sharded_load_reads_slices_and_names_the_tensor_index(good, tmp_path):
+    """Each device's slice is checked as it is read; the message gives the index in the tensor."""
+    from deepinfer.sharding import make_mesh
+
+    d = str(tmp_path / "ckpt")
+    shutil.copytree(good, d)
+    drop_manifest(d)
+    name = "embed.weight"
+    path = os.path.join(d, weight_map(d)[name])
+    entry = raw_header(path)[0][name]
+    rows, cols = entry["shape"]
+    assert entry["dtype"] == "BF16"
+    poke(path, name, rows * cols - 2, np.array([np.nan], ml_dtypes.bfloat16).tobytes())
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(d, make_mesh("dp=1,cp=1,tp=8"))
+    assert_names(str(e.value), [name, os.path.basename(path), f"first at index [{rows - 1}, {cols - 2}]"])
