@@ -6,9 +6,14 @@ weights are FP8 e4m3 with UE8M0 block scales (`.scale`), routed experts MXFP4 (i
 e2m1 nibbles, even k in the low nibble, one UE8M0 scale per 32), the rest BF16/F32. Reading uses
 the project's own safetensors parser and memory maps; each tensor is placed straight onto its
 devices with `jax.make_array_from_callback`, so the host holds one slice at a time. Every problem
-names the tensor and the file; nothing is silently skipped (the only names ignored are the
-families a text-only model does not use: vision and aligner tensors; the draft blocks `mtp.*`
-are read when the checkpoint has them).
+is a `CheckpointError` naming the tensor and the file; nothing is silently skipped (the only names
+ignored are the families a text-only model does not use: vision and aligner tensors; the draft
+blocks `mtp.*` are read when the checkpoint has them).
+
+Safety: index entries must stay inside the checkpoint directory; every slice read is checked for
+NaN/Inf and out-of-range scales (`tensor_checks`); our writer leaves `deepinfer-manifest.json`
+(SHA-256 of every file, `manifest`), which the loader compares when present. `verify=False`
+skips the value and checksum checks; `deepinfer verify-checkpoint` (`verify`) lists every problem.
 """
 
 from __future__ import annotations
@@ -269,8 +274,8 @@ def structure_problems(shards: _ShardSet, config: ModelConfig, include_mtp: bool
         try:
             f = shards.file(name)
         except CheckpointError as e:
-            if not str(e).endswith(f"missing from {os.path.join(shards.directory, shards.weight_map[name])}"):
-                broken.add(shards.weight_map[name])
+            if not shards.is_open(shards.weight_map[name]):
+                broken.add(shards.weight_map[name])  # the shard itself is unusable: reported once
             yield str(e)
             continue
         if f.dtype_name(name) != dtype or tuple(f.shape(name)) != tuple(shape):
