@@ -6,9 +6,14 @@ weights are FP8 e4m3 with UE8M0 block scales (`.scale`), routed experts MXFP4 (i
 e2m1 nibbles, even k in the low nibble, one UE8M0 scale per 32), the rest BF16/F32. Reading uses
 the project's own safetensors parser and memory maps; each tensor is placed straight onto its
 devices with `jax.make_array_from_callback`, so the host holds one slice at a time. Every problem
-names the tensor and the file; nothing is silently skipped (the only names ignored are the
-families a text-only model does not use: vision and aligner tensors; the draft blocks `mtp.*`
-are read when the checkpoint has them).
+is a `CheckpointError` naming the tensor and the file; nothing is silently skipped (the only names
+ignored are the families a text-only model does not use: vision and aligner tensors; the draft
+blocks `mtp.*` are read when the checkpoint has them).
+
+Safety: index entries must stay inside the checkpoint directory; every slice read is checked for
+NaN/Inf and out-of-range scales (`tensor_checks`); our writer leaves `deepinfer-manifest.json`
+(SHA-256 of every file, `manifest`), which the loader compares when present. `verify=False`
+skips the value and checksum checks; `deepinfer verify-checkpoint` (`verify`) lists every problem.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from deepinfer.model.params import (
     BF16, F32, FP4, FP8, FP8_ROWS, I64, ParamSpec, QuantWeight, abstract_params, build_tree, dense_dtype, param_specs,
     quant_block, quant_shapes, tree_get,
 )
+from deepinfer.model.manifest import manifest_problems, write_manifest
 from deepinfer.model.safetensors_io import CheckpointError, CheckpointFormatError, SafetensorsFile, write_safetensors
+from deepinfer.model.tensor_checks import value_problem
 
 INDEX_FILE = "model.safetensors.index.json"
 ORBAX_MARKER = "deepinfer_orbax.json"
@@ -112,8 +119,8 @@ def _shard_key(name: str) -> str:
 
 
 def write_checkpoint(params: dict, config: ModelConfig, directory: str | os.PathLike) -> None:
-    """Write `params` (dense or quantized leaves) in the official format: shards, index, and an
-    HF-style `config.json`."""
+    """Write `params` (dense or quantized leaves) in the official format: shards, index, an
+    HF-style `config.json`, and the checksum manifest `deepinfer-manifest.json`."""
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     groups: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
@@ -132,24 +139,67 @@ def write_checkpoint(params: dict, config: ModelConfig, directory: str | os.Path
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=1)
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(to_hf_config(config), f, indent=1)
+    write_manifest(directory, [*(f"model-{i + 1:05d}-of-{len(keys):05d}.safetensors" for i in range(len(keys))),
+                               INDEX_FILE, "config.json"])
 
 
 # ---- reading ---------------------------------------------------------------------------
 
 
-class _ShardSet:
-    """Lazily opened shards of one checkpoint directory."""
+def _outside(filename: str, directory: str) -> bool:
+    """Whether an index entry leaves the checkpoint directory: absolute, or with a `..` part.
 
-    def __init__(self, directory: str):
+    Only the entry is judged, not where a symlinked shard points: the Hugging Face cache stores
+    every shard of a snapshot as a symlink into `../../blobs/`, and whoever can place a symlink in
+    the directory already controls the checkpoint, while the index is data that travels with it."""
+    parts = filename.replace("\\", "/").split("/")
+    if os.path.isabs(filename) or filename.startswith(("/", "\\")) or ".." in parts:
+        return True
+    base = os.path.normpath(directory)
+    return os.path.commonpath([base, os.path.normpath(os.path.join(base, filename))]) != base
+
+
+def read_json_object(path: str, what: str) -> dict[str, Any]:
+    """A JSON object from `path`; anything else is a `CheckpointError` naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a valid {what}: invalid JSON ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: not a valid {what}: a JSON {type(value).__name__}, expected a JSON object")
+    return value
+
+
+def read_index(directory: str) -> dict[str, str]:
+    """The `weight_map` of `directory`'s index, with every entry a shard file inside `directory`."""
+    index_path = os.path.join(directory, INDEX_FILE)
+    index = read_json_object(index_path, "safetensors index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: not a valid safetensors index: `weight_map` must map tensor names "
+                              f"to shard files, got {'nothing' if weight_map is None else type(weight_map).__name__}")
+    for name, filename in weight_map.items():
+        if not isinstance(filename, str) or not filename or "\x00" in filename:
+            raise CheckpointError(f"{index_path}: tensor `{name}` maps to {filename!r}, not a shard file name")
+        if _outside(filename, directory):
+            raise CheckpointError(f"{index_path}: tensor `{name}` maps to {filename!r}, outside the checkpoint "
+                                  f"directory {directory} (absolute paths and `..` are refused)")
+    return dict(weight_map)
+
+
+class _ShardSet:
+    """Lazily opened shards of one checkpoint directory; `get` checks each tensor's values once
+    (NaN/Inf, scale range) unless `check_values` is off."""
+
+    def __init__(self, directory: str, check_values: bool = True):
         self.directory = directory
-        index_path = os.path.join(directory, INDEX_FILE)
-        if os.path.isfile(index_path):
-            try:
-                with open(index_path, encoding="utf-8") as f:
-                    index = json.load(f)
-                self.weight_map: dict[str, str] = dict(index["weight_map"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index_path}: not a valid safetensors index ({e})") from None
+        self.check_values = check_values
+        self._checked: set[tuple[str, str]] = set()
+        if os.path.isfile(os.path.join(directory, INDEX_FILE)):
+            self.weight_map = read_index(directory)
         else:
             single = os.path.join(directory, "model.safetensors")
             if not os.path.isfile(single):
@@ -163,7 +213,11 @@ class _ShardSet:
     def file(self, name: str) -> SafetensorsFile:
         filename = self.weight_map[name]
         if filename not in self._files:
-            f = SafetensorsFile(os.path.join(self.directory, filename))
+            path = os.path.join(self.directory, filename)
+            try:
+                f = SafetensorsFile(path)
+            except OSError as e:
+                raise CheckpointError(f"tensor `{name}`: cannot read shard {path} ({e.strerror or e})") from None
             unlisted = [n for n in f.names if self.weight_map.get(n) != filename]
             if unlisted:
                 raise CheckpointError(f"tensor `{unlisted[0]}` in {f.path} is not listed for that file in {INDEX_FILE}")
@@ -173,32 +227,59 @@ class _ShardSet:
             raise CheckpointError(f"tensor `{name}` is listed in {INDEX_FILE} but missing from {f.path}")
         return f
 
-    def get(self, name: str) -> np.ndarray:
-        return self.file(name).get(name)
+    def get(self, name: str, index: tuple = ()) -> np.ndarray:
+        """The slice `index` of tensor `name` (a view of the memory map), its values checked once."""
+        f = self.file(name)
+        array = f.get(name)[index]
+        if self.check_values and (name, repr(index)) not in self._checked:
+            origin = tuple(0 if s.start is None else s.start for s in index) if all(
+                isinstance(s, slice) for s in index) else ()
+            problem = value_problem(array, f.dtype_name(name), origin)
+            if problem:
+                raise CheckpointError(f"tensor `{name}` in {f.path}: {problem}")
+            self._checked.add((name, repr(index)))
+        return array
+
+    def is_open(self, filename: str) -> bool:
+        return filename in self._files
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
 
-def _validate(shards: _ShardSet, config: ModelConfig, include_mtp: bool) -> None:
-    expected = {}
-    for spec in param_specs(config, include_mtp):
-        for name, role, _ in tensor_names(spec):
-            expected[name] = expected_format(spec, config, role)
+def expected_tensors(config: ModelConfig, include_mtp: bool) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Official name -> (safetensors dtype, shape) of every tensor `config` needs."""
+    return {name: expected_format(spec, config, role)
+            for spec in param_specs(config, include_mtp) for name, role, _ in tensor_names(spec)}
+
+
+def structure_problems(shards: _ShardSet, config: ModelConfig, include_mtp: bool):
+    """Yield every structural problem: missing and unknown tensors, unreadable shards, dtypes and
+    shapes that differ from `config` (one message per problem, naming the tensor and the file)."""
+    expected = expected_tensors(config, include_mtp)
     missing = [n for n in expected if n not in shards.weight_map]
     if missing:
-        raise CheckpointError(
-            f"{shards.directory}: missing tensor `{missing[0]}`" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-        )
+        yield f"{shards.directory}: missing tensor `{missing[0]}`" + (
+            f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
     for name in shards.weight_map:
         if name not in expected and not name.startswith(IGNORED_PREFIXES):
-            raise CheckpointError(
-                f"unexpected tensor `{name}` in {os.path.join(shards.directory, shards.weight_map[name])}: "
-                "not part of this configuration"
-            )
+            yield (f"unexpected tensor `{name}` in {os.path.join(shards.directory, shards.weight_map[name])}: "
+                   "not part of this configuration")
+    broken: set[str] = set()
     for name, (dtype, shape) in expected.items():
-        f = shards.file(name)
+        if name not in shards.weight_map or shards.weight_map[name] in broken:
+            continue
+        try:
+            f = shards.file(name)
+        except CheckpointError as e:
+            if not shards.is_open(shards.weight_map[name]):
+                broken.add(shards.weight_map[name])  # the shard itself is unusable: reported once
+            yield str(e)
+            continue
         if f.dtype_name(name) != dtype or tuple(f.shape(name)) != tuple(shape):
-            raise CheckpointError(
-                f"tensor `{name}` in {f.path}: expected {dtype}{list(shape)}, found {f.dtype_name(name)}{list(f.shape(name))}"
-            )
+            yield f"tensor `{name}` in {f.path}: expected {dtype}{list(shape)}, found {f.dtype_name(name)}{list(f.shape(name))}"
 
 
 def _place(shape, dtype, sharding, read) -> jax.Array:
@@ -206,10 +287,10 @@ def _place(shape, dtype, sharding, read) -> jax.Array:
     return jax.make_array_from_callback(tuple(shape), sharding, lambda idx: np.ascontiguousarray(read(idx)).astype(dtype))
 
 
-def _stacked_reader(shards: _ShardSet, names: list[str], transform=lambda a: a):
+def _stacked_reader(shards: _ShardSet, names: list[str]):
     def read(index):
         experts = range(len(names))[index[0]]
-        return np.stack([transform(shards.get(names[e]))[index[1:]] for e in experts])
+        return np.stack([shards.get(names[e], index[1:]) for e in experts])
 
     return read
 
@@ -228,8 +309,8 @@ def _load_leaf(spec: ParamSpec, shards: _ShardSet, config: ModelConfig, sharding
             q = _place(q_shape, q_dtype, sharding.q, _stacked_reader(shards, weights))
             s = _place(s_shape, ml_dtypes.float8_e8m0fnu, sharding.scale, _stacked_reader(shards, scales))
         else:
-            q = _place(q_shape, q_dtype, sharding.q, lambda idx: shards.get(weights[0])[idx])
-            s = _place(s_shape, ml_dtypes.float8_e8m0fnu, sharding.scale, lambda idx: shards.get(scales[0])[idx])
+            q = _place(q_shape, q_dtype, sharding.q, lambda idx: shards.get(weights[0], idx))
+            s = _place(s_shape, ml_dtypes.float8_e8m0fnu, sharding.scale, lambda idx: shards.get(scales[0], idx))
         return QuantWeight(q, s, kind=spec.storage, block=quant_block(spec, config))
 
     if quantized:
@@ -244,7 +325,7 @@ def _load_leaf(spec: ParamSpec, shards: _ShardSet, config: ModelConfig, sharding
         return _place(spec.shape, dense_dt, sharding, lambda idx: dense_of(0)[idx])
     if spec.experts:
         return _place(spec.shape, dense_dt, sharding, _stacked_reader(shards, weights))
-    return _place(spec.shape, dense_dt, sharding, lambda idx: shards.get(weights[0])[idx])
+    return _place(spec.shape, dense_dt, sharding, lambda idx: shards.get(weights[0], idx))
 
 
 def _default_mesh(mesh):
@@ -255,12 +336,16 @@ def _default_mesh(mesh):
     return make_mesh("dp=1", devices=jax.local_devices()[:1])
 
 
-def load_checkpoint(directory: str | os.PathLike, mesh=None, *, dequantize: bool = False,
+def load_checkpoint(directory: str | os.PathLike, mesh=None, *, dequantize: bool = False, verify: bool = True,
                     **config_overrides) -> tuple[ModelConfig, dict]:
     """Read an official-format or orbax checkpoint onto `mesh` (default: the first device).
 
     FP8/FP4 weights stay in their checkpoint form (`QuantWeight`) unless `dequantize=True`;
-    `config_overrides` replace config fields (e.g. `fake_quant=False`, `dtype="float32"`)."""
+    `config_overrides` replace config fields (e.g. `fake_quant=False`, `dtype="float32"`).
+    `verify` (official format) checks the shards against `deepinfer-manifest.json` when there is
+    one and every stored value for NaN/Inf and out-of-range scales; `verify=False` skips both
+    (for a large checkpoint already checked with `deepinfer verify-checkpoint`). Every problem
+    raises `CheckpointError` (a ValueError) naming the file and, where there is one, the tensor."""
     directory = os.fspath(directory)
     if os.path.isfile(os.path.join(directory, ORBAX_MARKER)):
         from deepinfer.model.orbax_format import restore_orbax
@@ -269,10 +354,15 @@ def load_checkpoint(directory: str | os.PathLike, mesh=None, *, dequantize: bool
     from deepinfer.sharding.rules import param_sharding
 
     config = load_config(directory, **config_overrides)
-    shards = _ShardSet(directory)
+    shards = _ShardSet(directory, check_values=verify)
     # The draft blocks are optional in a checkpoint (HF conversions drop them): read when present.
     include_mtp = any(name.startswith("mtp.") for name in shards.weight_map)
-    _validate(shards, config, include_mtp)
+    problems = list(structure_problems(shards, config, include_mtp))
+    if not problems and verify:
+        problems = manifest_problems(directory)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s); `deepinfer verify-checkpoint` lists them)"
+        raise CheckpointError(problems[0] + (more if len(problems) > 1 else ""))
     mesh = _default_mesh(mesh)
     leaves = {}
     for spec in param_specs(config, include_mtp):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,17 +186,64 @@ def _fail(key: str, message: str) -> None:
     raise ConfigError(f"config key `{key}`: {message}")
 
 
+# Floating-point fields: (lower bound, whether the bound itself is allowed) and why.
+_FLOAT_BOUNDS: dict[str, tuple[float, bool]] = {
+    "rope_theta": (1.0, False),  # RoPE base: frequencies base^(-2i/d) must fall, log(base) > 0
+    "compress_rope_theta": (1.0, False),  # the same base for the compressed layers' YaRN RoPE
+    "rope_factor": (1.0, True),  # YaRN interpolation factor (1 = none)
+    "beta_fast": (0.0, False),  # YaRN correction range: log(original_seq_len / (beta * 2 pi))
+    "beta_slow": (0.0, False),
+    "gate_temp": (0.0, False),  # router logits are divided by it
+    "routed_scaling_factor": (0.0, False),  # multiplies the routed experts' weights
+    "swiglu_limit": (0.0, True),  # SwiGLU clamp; 0 turns it off
+    "rms_norm_eps": (0.0, False),  # rsqrt(mean(x^2) + eps): 0 divides an all-zero row by zero
+    "hc_eps": (0.0, True),  # added to positive mHC mixes
+}
+# Integer fields that may be zero or must be token ids / layer ids (the rest must be positive).
+_NON_NEGATIVE_INTS = (
+    "num_nextn_predict_layers n_shared_experts num_hash_layers bos_token_id eos_token_id pad_token_id "
+    "engram_pad_token_id dspark_noise_token_id"
+).split()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_types(c: ModelConfig) -> None:
+    """Every field has its annotated type (no bool for a number, no string for a float), every
+    float is finite and in its range, every integer in its range: errors name the field and the
+    value, before any rule below compares or indexes a value of the wrong type."""
+    for f in dataclasses.fields(c):
+        key, value, kind = f.name, getattr(c, f.name), f.type
+        shown = _as_list(value)  # as the JSON file spells it
+        if kind == "str" and not isinstance(value, str):
+            _fail(key, f"must be a string, got {shown!r}")
+        elif kind == "bool" and not isinstance(value, bool):
+            _fail(key, f"must be true or false, got {shown!r}")
+        elif kind == "float":
+            low, inclusive = _FLOAT_BOUNDS[key]
+            if not (_is_int(value) or isinstance(value, float)):
+                _fail(key, f"must be a number, got {shown!r}")
+            if not math.isfinite(value) or value < low or (value == low and not inclusive):
+                _fail(key, f"must be a finite number {'>=' if inclusive else '>'} {low:g}, got {shown!r}")
+        elif kind == "int":
+            if not _is_int(value):
+                _fail(key, f"must be an integer, got {shown!r}")
+            low = -1 if key == "candidate_source_layer_id" else 0 if key in _NON_NEGATIVE_INTS else 1
+            if value < low:
+                _fail(key, f"must be an integer >= {low}, got {shown!r}")
+        elif kind.startswith("tuple"):
+            if not isinstance(value, tuple) or not all(_is_int(v) and v >= 0 for v in value):
+                _fail(key, f"must be a list of non-negative integers, got {shown!r}")
+
+
+def _as_list(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _validate(c: ModelConfig) -> None:
-    positive = (
-        "vocab_size hidden_size num_hidden_layers num_attention_heads head_dim q_lora_rank o_groups "
-        "o_lora_rank sliding_window index_n_heads index_head_dim index_topk n_routed_experts "
-        "num_experts_per_tok moe_intermediate_size hc_mult hc_sinkhorn_iters candidate_block_size "
-        "candidate_topk_blocks engram_max_ngram_size engram_n_heads engram_head_dim"
-    ).split()
-    for key in positive:
-        value = getattr(c, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            _fail(key, f"must be a positive integer, got {getattr(c, key)!r}")
+    _validate_types(c)
     if c.model_type not in MODEL_TYPES:
         _fail("model_type", f"unsupported model type {c.model_type!r} (supported: {', '.join(MODEL_TYPES)})")
     n_total = c.num_hidden_layers + c.num_nextn_predict_layers
@@ -439,15 +487,7 @@ def _canonical(raw: dict[str, Any], source: str) -> dict[str, Any]:
             continue
         if key == "rope_scaling":
             if value:
-                kind = value.get("type", value.get("rope_type"))
-                if kind != "yarn":
-                    _fail("rope_scaling", f"{source}: only YaRN is supported, got {kind!r}")
-                out["rope_factor"] = float(value["factor"])
-                out["original_seq_len"] = int(
-                    value.get("original_max_position_embeddings", value.get("original_seq_len"))
-                )
-                out["beta_fast"] = float(value.get("beta_fast", 32))
-                out["beta_slow"] = float(value.get("beta_slow", 1))
+                out.update(_rope_scaling(value, source))
             continue
         if key == "dtype":  # flat config: storage dtype of the dense weights ("fp8")
             if value not in ("fp8", "bf16", "float32", "bfloat16"):
@@ -465,23 +505,47 @@ def _canonical(raw: dict[str, Any], source: str) -> dict[str, Any]:
         if isinstance(value, list):
             value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
         out[name] = value
-    if "weight_block_size" in out:
-        out["weight_block_size"] = tuple(out["weight_block_size"])
     return out
+
+
+def _rope_scaling(value: Any, source: str) -> dict[str, Any]:
+    """The YaRN fields of an HF `rope_scaling` object (types and ranges are checked with the rest)."""
+    if not isinstance(value, dict):
+        _fail("rope_scaling", f"{source}: must be an object, got {value!r}")
+    kind = value.get("type", value.get("rope_type"))
+    if kind != "yarn":
+        _fail("rope_scaling", f"{source}: only YaRN is supported, got {kind!r}")
+    if "factor" not in value:
+        _fail("rope_scaling", f"{source}: lacks `factor`")
+    out = {"rope_factor": value["factor"]}
+    for src, dst in (("original_max_position_embeddings", "original_seq_len"), ("original_seq_len", "original_seq_len"),
+                     ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow")):
+        if src in value:
+            out[dst] = value[src]
+    return out
+
+
+def _object(value: Any, key: str, source: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        _fail(key, f"{source}: must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def config_from_dict(raw: dict[str, Any], *, source: str = "config", name: str = "custom") -> ModelConfig:
     """Build a config from an HF `config.json` dict (flat or `text_config`-nested) or a flat
     `inference/config.json` dict; keys the dict lacks keep the values of the release of the same
     model type."""
-    text = dict(raw.get("text_config", {}))
+    raw = _object(raw, "(top level)", source)
+    text = dict(_object(raw.get("text_config", {}), "text_config", source))
     top = {k: v for k, v in raw.items() if k != "text_config"}
     quant = top.get("quantization_config") or text.get("quantization_config") or {}
     merged = {**{k: v for k, v in top.items() if k not in text}, **text}
     values = _canonical(merged, source)
     if quant:
+        quant = _object(quant, "quantization_config", source)
         if "weight_block_size" in quant:
-            values["weight_block_size"] = tuple(quant["weight_block_size"])
+            block = quant["weight_block_size"]
+            values["weight_block_size"] = tuple(block) if isinstance(block, list) else block
         if "expert_dtype" in quant:
             values["expert_dtype"] = quant["expert_dtype"]
     model_type = values.get("model_type") or _infer_model_type(values)
@@ -494,7 +558,7 @@ def config_from_dict(raw: dict[str, Any], *, source: str = "config", name: str =
 def _infer_model_type(values: dict[str, Any]) -> str:
     """The flat `inference/config.json` carries no model type: V4 has hash layers and ratios 4/128."""
     ratios = values.get("compress_ratios", ())
-    if values.get("num_hash_layers") or any(r >= 4 for r in ratios):
+    if values.get("num_hash_layers") or any(_is_int(r) and r >= 4 for r in (ratios if isinstance(ratios, tuple) else ())):
         return "deepseek_v4"
     return "deepseek_v41"
 
@@ -528,7 +592,12 @@ def load_config(name_or_path: str | os.PathLike, **overrides: Any) -> ModelConfi
                 raw = json.load(f)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
-        config = config_from_dict(raw, source=path, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        try:
+            config = config_from_dict(raw, source=path, name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+        except ConfigError as e:
+            raise (e if path in str(e) else ConfigError(f"{path}: {e}")) from None
     return dataclasses.replace(config, **overrides) if overrides else config
 
 

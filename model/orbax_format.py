@@ -4,6 +4,7 @@ including one of a different shape than the mesh it was saved from."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -14,6 +15,7 @@ from deepinfer.model.config import ModelConfig, config_from_dict, to_hf_config
 from deepinfer.model.params import (
     FP4, FP8, FP8_ROWS, QuantWeight, abstract_params, build_tree, dense_dtype, param_specs, tree_get,
 )
+from deepinfer.model.safetensors_io import CheckpointError
 
 MARKER = "deepinfer_orbax.json"
 FORMAT_VERSION = 1
@@ -37,23 +39,43 @@ def save_orbax(params: dict, config: ModelConfig, directory: str | os.PathLike) 
         json.dump(marker, f, indent=1)
 
 
+def read_marker(directory: str, **config_overrides) -> tuple[ModelConfig, set[str], bool]:
+    """(config, quantized storages, include_mtp) from the marker; every problem is a
+    `CheckpointError` naming the marker file and the key."""
+    from deepinfer.model.checkpoint import read_json_object
+
+    path = os.path.join(directory, MARKER)
+
+    def fail(message: str):
+        return CheckpointError(f"{path}: {message}")
+
+    marker = read_json_object(path, "deepinfer orbax marker")
+    if marker.get("format_version") != FORMAT_VERSION:
+        raise fail(f"`format_version` is {marker.get('format_version')!r}, not {FORMAT_VERSION}")
+    quantized = marker.get("quantized")
+    if not isinstance(quantized, list) or not all(q in (FP8, FP8_ROWS, FP4) for q in quantized):
+        raise fail(f"`quantized` must be a list of {[FP8, FP8_ROWS, FP4]}, got {quantized!r}")
+    include_mtp = marker.get("include_mtp", False)
+    if not isinstance(include_mtp, bool):
+        raise fail(f"`include_mtp` must be true or false, got {include_mtp!r}")
+    if not isinstance(marker.get("config"), dict):
+        raise fail(f"`config` must be a config object, got {marker.get('config')!r}")
+    try:
+        config = config_from_dict(marker["config"], source=path, name=os.path.basename(directory))
+        if config_overrides:
+            config = dataclasses.replace(config, **config_overrides)
+    except ValueError as e:  # ConfigError
+        raise (e if path in str(e) else fail(f"`config`: {e}")) from None
+    return config, set(quantized), include_mtp
+
+
 def restore_orbax(directory: str | os.PathLike, mesh=None, *, dequantize: bool = False,
                   **config_overrides) -> tuple[ModelConfig, dict]:
-    from deepinfer.model.checkpoint import CheckpointError, _default_mesh
+    from deepinfer.model.checkpoint import _default_mesh
     from deepinfer.sharding.rules import param_sharding
 
     directory = os.path.abspath(os.fspath(directory))
-    with open(os.path.join(directory, MARKER), encoding="utf-8") as f:
-        marker = json.load(f)
-    if marker.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{directory}: orbax format version {marker.get('format_version')} is not {FORMAT_VERSION}")
-    config = config_from_dict(marker["config"], source=os.path.join(directory, MARKER), name=os.path.basename(directory))
-    if config_overrides:
-        import dataclasses
-
-        config = dataclasses.replace(config, **config_overrides)
-    quantized = set(marker["quantized"])
-    include_mtp = bool(marker.get("include_mtp", False))
+    config, quantized, include_mtp = read_marker(directory, **config_overrides)
     mesh = _default_mesh(mesh)
     abstract = abstract_params(config, quantized=bool(quantized), include_mtp=include_mtp)
 
@@ -67,7 +89,11 @@ def restore_orbax(directory: str | os.PathLike, mesh=None, *, dequantize: bool =
                                kind=leaf.kind, block=leaf.block)
         return jax.ShapeDtypeStruct(spec.shape, dense_dtype(spec, config), sharding=sharding)
 
-    params = ocp.StandardCheckpointer().restore(os.path.join(directory, "params"), build_tree(config, target, include_mtp))
+    params_dir = os.path.join(directory, "params")
+    try:
+        params = ocp.StandardCheckpointer().restore(params_dir, build_tree(config, target, include_mtp))
+    except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types; name the directory
+        raise CheckpointError(f"{params_dir}: orbax cannot restore the params ({type(e).__name__}: {e})") from None
     if dequantize and quantized:
         from deepinfer.model.layers import dequantize as dense_of
 

@@ -8,6 +8,9 @@ Subcommands:
         Tokenize a prompt (BOS first), run one full forward pass, print the most likely next tokens.
     deepinfer convert SRC DST
         Official safetensors checkpoint -> orbax fast-restart checkpoint.
+    deepinfer verify-checkpoint DIR
+        Check a checkpoint without loading it: index, headers, names/dtypes/shapes against the config,
+        the checksum manifest, NaN/Inf weights and scales; one line per problem, exit 1 if any.
     deepinfer generate [--model DIR_OR_PRESET] (--prompt TEXT ... | --chat TEXT) [--max-tokens N] ...
         Generate with the offline engine (`LLM.generate` / `LLM.chat`); print the text and the
         engine's tokens/s. Without --model: the embedded tiny-v4.1 (random weights).
@@ -27,7 +30,8 @@ Currently read:
     DEEPINFER_NUM_PROCESSES                 default for `--num-processes`
     DEEPINFER_PROCESS_ID                    default for `--process-id`
 
-Exit codes: 0 success, 2 bad input (one line on stderr naming the problem), 130 interrupted.
+Exit codes: 0 success, 1 `verify-checkpoint` found problems, 2 bad input (one line on stderr naming the
+problem), 130 interrupted.
 JAX and the model are imported only by the subcommands that need them, so `--help` stays fast.
 """
 
@@ -405,6 +409,24 @@ def _enable_info_logs() -> None:
     logger.setLevel(logging.INFO)
 
 
+def cmd_verify_checkpoint(args: argparse.Namespace) -> int:
+    """Exit 0 when the checkpoint is clean, 1 when anything is wrong (one line per problem)."""
+    if not os.path.isdir(args.directory):
+        raise CliError(f"checkpoint directory {args.directory!r} does not exist")
+    from deepinfer.model.verify import verify_checkpoint
+
+    t0 = time.perf_counter()
+    report = verify_checkpoint(args.directory)
+    for problem in report.problems:
+        print(f"PROBLEM: {problem}")
+    for note in report.notes:
+        print(f"note: {note}")
+    status = "OK" if report.ok else f"{len(report.problems)} problem(s)"
+    print(f"{status}: {report.directory}: {report.tensors_checked} tensors, "
+          f"{report.bytes_checked / 2**20:.1f} MiB of values checked in {_seconds(time.perf_counter() - t0)}")
+    return 0 if report.ok else 1
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt or [])
     if args.chat is None and not prompts:
@@ -621,6 +643,10 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     p_conv.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty)")
     p_conv.add_argument("--overwrite", action="store_true", help="allow a non-empty DST")
     p_conv.set_defaults(func=cmd_convert)
+
+    p_verify = sub.add_parser("verify-checkpoint", help="check a checkpoint: structure, checksums, NaN/Inf values")
+    p_verify.add_argument("directory", metavar="DIR", help="official-format or orbax checkpoint directory")
+    p_verify.set_defaults(func=cmd_verify_checkpoint)
 
     p_gen = sub.add_parser("generate", help="generate text with the offline engine (LLM.generate / LLM.chat)")
     what = p_gen.add_mutually_exclusive_group(required=True)

@@ -519,3 +519,49 @@ def test_missing_config_file(tmp_path):
         load_config(tmp_path)
     with pytest.raises(FileNotFoundError):
         load_config("no-such-preset")
+
+
+@pytest.mark.parametrize("key,value", [
+    ("rms_norm_eps", float("nan")), ("rms_norm_eps", -1e-6), ("rms_norm_eps", 0.0), ("rope_theta", "abc"),
+    ("rope_theta", -10000.0), ("rope_theta", 1.0), ("compress_rope_theta", float("inf")),
+    ("routed_scaling_factor", float("inf")), ("routed_scaling_factor", 0), ("gate_temp", 0.0), ("rope_factor", 0.5),
+    ("beta_fast", 0), ("beta_slow", -1.0), ("swiglu_limit", -1.0), ("hc_eps", -1e-6), ("hc_eps", float("nan")),
+    ("gate_temp", True), ("swiglu_limit", None), ("rms_norm_eps", [1e-6]),
+])
+def test_invalid_float_values_are_named(key, value):
+    with pytest.raises(ConfigError, match=key) as e:
+        config_from_dict({"text_config": {key: value}})
+    assert repr(value) in str(e.value)
+
+
+@pytest.mark.parametrize("key,value", [("swiglu_limit", 0.0), ("hc_eps", 0.0), ("rope_factor", 1), ("rope_theta", 500000)])
+def test_float_boundary_values_are_accepted(key, value):
+    assert getattr(config_from_dict({key: value}), key) == value
+
+
+@pytest.mark.parametrize("key,value", [
+    ("hidden_size", True), ("qk_rope_head_dim", "64"), ("n_shared_experts", True), ("original_seq_len", 4.5),
+    ("bos_token_id", -1), ("candidate_source_layer_id", -2), ("compress_ratios", 5), ("engram_layer_ids", ["1"]),
+    ("norm_topk_prob", 1), ("tie_word_embeddings", "false"), ("scoring_func", 3),
+])
+def test_wrong_types_are_named(key, value):
+    with pytest.raises(ConfigError, match=key):
+        config_from_dict({key: value})
+
+
+@pytest.mark.parametrize("raw,key", [
+    ([1, 2], "top level"), ({"text_config": [1]}, "text_config"), ({"quantization_config": "fp8"}, "quantization_config"),
+    ({"rope_scaling": "yarn"}, "rope_scaling"), ({"rope_scaling": {"type": "yarn"}}, "rope_scaling"),
+    ({"rope_scaling": {"type": "yarn", "factor": "x"}}, "rope_factor"),
+    ({"quantization_config": {"weight_block_size": 128}}, "weight_block_size"),
+])
+def test_malformed_objects_are_config_errors(raw, key):
+    with pytest.raises(ConfigError, match=key):
+        config_from_dict(raw)
+
+
+def test_a_file_error_names_the_file(tmp_path):
+    write_json(tmp_path / "config.json", {**HF_TOP, "text_config": dict(HF_TEXT, rope_theta="abc")})
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path)
+    assert "rope_theta" in str(e.value) and "config.json" in str(e.value) and "'abc'" in str(e.value)

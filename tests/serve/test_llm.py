@@ -60,8 +60,11 @@ def test_embedded_default_is_written_once(llm, cache_dir, monkeypatch):
     import deepinfer.serve.api.llm as llm_module
     from deepinfer import LLM
     from deepinfer.model.checkpoint import INDEX_FILE
+    from deepinfer.model.manifest import MANIFEST_FILE
+    from deepinfer.model.verify import verify_checkpoint
 
     assert (cache_dir / INDEX_FILE).is_file() and (cache_dir / "config.json").is_file()
+    assert verify_checkpoint(cache_dir).ok and (cache_dir / MANIFEST_FILE).is_file()  # written with its checksums
     assert llm.model_name == "tiny-v4.1" and llm.config.model_type == "deepseek_v41"
     assert llm.config.dtype == "float32"
     assert not [p for p in cache_dir.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
