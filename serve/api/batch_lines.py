@@ -223,14 +223,17 @@ def _prepare_chat(llm: LLM, line: Line, body: Mapping[str, Any]) -> tuple[list[i
             raise LineError(str(e), "messages") from None
         sampling = _replace(sampling, max_tokens=max_tokens)
     else:
-        _check_room(llm, n, sampling)
+        _check_room(llm, n, sampling, "messages")
     line.chat_prompt = prompt
     return prompt.token_ids, sampling
 
 
-def _check_room(llm: LLM, n: int, sampling: SamplingParams) -> None:
-    """A prompt that fits leaves room for max_tokens (one too long is the engine's error, `queue_error`)."""
-    if n < llm.max_model_len and n + sampling.max_tokens > llm.max_model_len:
+def _check_room(llm: LLM, n: int, sampling: SamplingParams, where: str) -> None:
+    """The prompt (`where`: its field) and max_tokens fit the context."""
+    if n >= llm.max_model_len:
+        raise LineError(f"{where}: this model's maximum context length is {llm.max_model_len} tokens, but the "
+                        f"prompt has {n} tokens", where)
+    if n + sampling.max_tokens > llm.max_model_len:
         raise LineError(f"max_tokens: this model's maximum context length is {llm.max_model_len} tokens, "
                         f"but the request has {n} prompt tokens plus max_tokens={sampling.max_tokens}",
                         "max_tokens")
@@ -264,7 +267,7 @@ def _prepare_completion(llm: LLM, body: Mapping[str, Any]) -> tuple[str | None, 
         raise LineError("prompt: one prompt per batch line (got a list of prompts)", "prompt")
     else:
         raise LineError("prompt: must be a non-empty string or a list of token ids", "prompt")
-    _check_room(llm, len(ids), sampling)
+    _check_room(llm, len(ids), sampling, "prompt")
     return text, ids, sampling
 
 
