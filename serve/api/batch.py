@@ -319,6 +319,29 @@ class _KeepOpen:
         pass
 
 
+def _queue(llm: LLM, group: list[Line], by_request: dict[str, Line]) -> list[str]:
+    """Add the lines to the engine (their request ids); a line it refuses gets its error line."""
+    ids: list[str] = []
+    try:
+        for line in group:
+            try:
+                line.request_id = llm._add_request(line.prompt_text, line.prompt_ids, line.sampling)
+            except ValueError as e:
+                error = queue_error(line, e)
+                line.output = _error_line(line, str(error), error.param, error.status)
+                continue
+            except Exception as e:  # noqa: BLE001 - one request the engine cannot take is one line's error
+                line.output = _error_line(line, f"could not queue the request: {type(e).__name__}: {e}", None, 500)
+                continue
+            by_request[line.request_id] = line
+            ids.append(line.request_id)
+    except BaseException:
+        for request_id in ids:
+            llm.engine.abort(request_id)
+        raise
+    return ids
+
+
 def _run_lines(llm: LLM, lines: list[Line], progress, writer: _OrderedWriter) -> None:
     """Queue `lines` in the engine and step it until each has its output line.
 
@@ -341,28 +364,12 @@ def _run_lines(llm: LLM, lines: list[Line], progress, writer: _OrderedWriter) ->
     groups = [lines]  # a stack: the next group to run is last
     while groups:
         group = groups.pop()
-        ids = []
-        try:
-            for line in group:
-                try:
-                    line.request_id = llm._add_request(line.prompt_text, line.prompt_ids, line.sampling)
-                except ValueError as e:
-                    error = queue_error(line, e)
-                    line.output = _error_line(line, str(error), error.param, error.status)
-                    continue
-                except Exception as e:  # noqa: BLE001 - one request the engine cannot take is one line's error
-                    line.output = _error_line(line, f"could not queue the request: {type(e).__name__}: {e}",
-                                              None, 500)
-                    continue
-                by_request[line.request_id] = line
-                ids.append(line.request_id)
-        except BaseException:
-            for request_id in ids:
-                llm.engine.abort(request_id)
-            raise
+        ids = _queue(llm, group, by_request)
         writer.flush()
         try:
             llm._run(ids, progress=_KeepOpen(progress), on_output=finished)
+        except OSError:  # writing the output failed: the run cannot go on
+            raise
         except Exception as e:  # noqa: BLE001 - narrowed down to the line that causes it, below
             left = [line for line in group if line.output is None]
             for line in left:

@@ -3,9 +3,11 @@ duplicate custom_ids, a failing engine step, and resuming an interrupted run."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
+import sys
 
 import pytest
 
@@ -93,15 +95,18 @@ def bad_lines(rng: random.Random, vocab: int):
             add((field,), lambda c, url=url, body=body: line(c, url, body))
     for field, values in CHAT_WRONG.items():
         for value in values:
-            add((field, "messages"), lambda c, f=field, v=value: line(c, CHAT, {"messages": USER, "max_tokens": 2, f: v}))
+            add((field, "messages"),
+                lambda c, f=field, v=value: line(c, CHAT, {"messages": USER, "max_tokens": 2, f: v}))
     for value in PROMPT_WRONG:
         add(("prompt",), lambda c, v=value: line(c, COMPLETIONS, {"prompt": v, "max_tokens": 2}))
     # out-of-vocabulary token ids: a line's error, from the engine's checks or from a failed step
     oov = ("outside", "vocab")
-    add(oov, lambda c: line(c, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "logit_bias": {str(vocab + 7): 3}}))
-    add(oov, lambda c: line(c, CHAT, {"messages": USER, "max_tokens": 2, "logit_bias": {str(vocab): -1}}))
-    add(oov, lambda c: line(c, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "min_tokens": 1,
-                                             "stop_token_ids": [vocab + 100]}))
+    add((*oov, "logit_bias"), lambda c: line(c, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2,
+                                                              "logit_bias": {str(vocab + 7): 3}}))
+    add((*oov, "logit_bias"), lambda c: line(c, CHAT, {"messages": USER, "max_tokens": 2,
+                                                       "logit_bias": {str(vocab): -1}}))
+    add((*oov, "stop_token_ids"), lambda c: line(c, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "min_tokens": 1,
+                                                                  "stop_token_ids": [vocab + 100]}))
     # the line itself
     for field, value in [("method", "GET"), ("url", "/v1/embeddings"), ("url", 5), ("url", ["x"]), ("body", "x"),
                          ("body", None), ("custom_id", 5), ("custom_id", None)]:
@@ -190,9 +195,9 @@ def test_out_of_vocabulary_ids_fail_their_lines_only(llm, tmp_path):
     assert [row["custom_id"] for row in read(dst)] == ["before", "bias", "chat", "stops", "after", "stops-no-min"]
     for custom_id in ("before", "chat", "after"):
         assert ok(out[custom_id]) and out[custom_id]["response"]["body"]["usage"]["completion_tokens"] == 2
-    for custom_id, number in (("bias", 2), ("stops", 4)):
+    for custom_id, number, field in (("bias", 2, "logit_bias"), ("stops", 4, "stop_token_ids")):
         message = out[custom_id]["error"]["message"]
-        assert message.startswith(f"line {number}: ") and ("outside" in message or "vocab" in message), message
+        assert message.startswith(f"line {number}: ") and any(n in message for n in ("outside", "vocab", field))
     # an out-of-vocabulary stop id is never sampled; with no min_tokens the engine may accept it or refuse it
     assert ok(out["stops-no-min"]) or "stop_token_ids" in out["stops-no-min"]["error"]["message"]
     assert summary.failed in (2, 3) and not llm.engine.has_unfinished()
@@ -214,9 +219,28 @@ def test_a_failing_engine_step_fails_only_the_line_that_causes_it(llm, tmp_path,
     out = read(dst)
     assert [row["custom_id"] for row in out] == [f"c{i}" for i in range(7)]
     assert out[3]["response"]["status_code"] == 500 and out[3]["error"]["type"] == "server_error"
-    assert out[3]["error"]["message"] == "line 4: the engine failed running this request: RuntimeError: poisoned row in the step"
-    assert all(ok(row) and row["response"]["body"]["usage"]["completion_tokens"] == 2 for i, row in enumerate(out) if i != 3)
+    assert out[3]["error"]["message"] == ("line 4: the engine failed running this request: "
+                                          "RuntimeError: poisoned row in the step")
+    assert all(ok(row) and row["response"]["body"]["usage"]["completion_tokens"] == 2
+               for i, row in enumerate(out) if i != 3)
     assert (summary.succeeded, summary.failed) == (6, 1) and not llm.engine.has_unfinished()
+
+
+def test_an_output_write_error_stops_the_run(llm, tmp_path, monkeypatch):
+    import deepinfer.serve.api.batch as batch
+
+    flush = batch._OrderedWriter.flush
+
+    def flush_then_fail(writer):
+        flush(writer)
+        if writer.next:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(batch._OrderedWriter, "flush", flush_then_fail)
+    rows = [line(f"w{i}", COMPLETIONS, {"prompt": [0, 30 + i], "max_tokens": 2, "temperature": 0}) for i in range(3)]
+    with pytest.raises(OSError, match="No space left"):  # not retried as if a step had failed
+        run(llm, tmp_path, rows)
+    assert not llm.engine.has_unfinished()
 
 
 def test_duplicate_custom_ids_are_errors_after_the_first(llm, tmp_path):
@@ -243,9 +267,17 @@ def test_undecodable_and_deeply_nested_lines_do_not_stop_the_file(llm, tmp_path)
     out = read(dst)
     assert len(out) == 3 and ok(out[2]) and out[2]["custom_id"] == "good"
     column = latin1.index(b"\xe9") + 1
-    assert out[0]["error"]["message"] == f"line 1: not valid UTF-8: byte 0xe9 at column {column} (invalid continuation byte)"
+    assert out[0]["error"]["message"] == (f"line 1: not valid UTF-8: byte 0xe9 at column {column} "
+                                          "(invalid continuation byte)")
     assert out[1]["error"]["message"] == "line 2: invalid JSON: nested too deeply"
     assert (summary.succeeded, summary.failed) == (1, 2)
+
+
+def test_standard_input_is_read_as_bytes(monkeypatch):
+    from deepinfer.serve.api.batch import _read_input
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b'{"a": 1}\n\xff\n'), encoding="utf-8"))
+    assert _read_input("-") == b'{"a": 1}\n\xff\n'
 
 
 def test_split_lines_reads_each_line_on_its_own():
