@@ -14,9 +14,12 @@ Subcommands:
     deepinfer generate [--model DIR_OR_PRESET] (--prompt TEXT ... | --chat TEXT) [--max-tokens N] ...
         Generate with the offline engine (`LLM.generate` / `LLM.chat`); print the text and the
         engine's tokens/s. Without --model: the embedded tiny-v4.1 (random weights).
-    deepinfer run-batch -i IN.jsonl -o OUT.jsonl [--model DIR_OR_PRESET] [--port N]
+    deepinfer run-batch -i IN.jsonl -o OUT.jsonl [--model DIR_OR_PRESET] [--port N] [--resume] [--fail-on-error]
         Run an OpenAI batch JSONL file (chat and text completions), like `vllm run-batch`;
-        --port serves Prometheus metrics while it runs.
+        --port serves Prometheus metrics while it runs; --resume skips the lines the output file
+        already has a successful result for. A bad line is an error line in the output, not a
+        failed run: exit 0 once every line has its result line, or 3 with --fail-on-error if any
+        line failed.
 
 This module is the only place that reads `DEEPINFER_*` environment variables. It reads them once,
 in `main`, and turns them into argument defaults; everything below receives explicit values.
@@ -31,7 +34,7 @@ Currently read:
     DEEPINFER_PROCESS_ID                    default for `--process-id`
 
 Exit codes: 0 success, 1 `verify-checkpoint` found problems, 2 bad input (one line on stderr naming the
-problem), 130 interrupted.
+problem), 3 `run-batch --fail-on-error` with failed lines, 130 interrupted.
 JAX and the model are imported only by the subcommands that need them, so `--help` stays fast.
 """
 
@@ -504,21 +507,41 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
             raise CliError(f"the directory of output file {args.output_file!r} does not exist")
     if args.port is not None and not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    if args.resume and args.output_file == "-":
+        raise CliError("--resume needs an output file (it reads the results already there), not '-'")
     _enable_info_logs()
     llm = _make_llm(args, log_stats_interval=args.log_stats_interval)
-    from deepinfer.serve.api.batch import run_batch
+    from deepinfer.serve.api.batch import read_previous, run_batch
     from deepinfer.sharding.distributed import is_primary
 
+    previous = None
+    if args.resume:
+        try:
+            previous = read_previous(args.output_file)
+        except (OSError, ValueError) as e:
+            raise CliError(f"run-batch --resume: {e}") from None
+        _all_processes_arrive("run-batch --resume read")  # before process 0 rewrites the file
     # every process of a multi-process run computes every result; only process 0 writes them
     output, port = (args.output_file, args.port) if is_primary() else (os.devnull, None)
     try:
-        summary = run_batch(llm, args.input_file, output, prometheus_port=port)
+        summary = run_batch(llm, args.input_file, output, prometheus_port=port, previous=previous)
     except OSError as e:
         raise CliError(f"run-batch: {e}") from None
     report = sys.stderr if args.output_file == "-" else sys.stdout
+    resumed = f"; {summary.skipped} already done" if args.resume else ""
     print(f"wrote {summary.total} result lines to {args.output_file} ({summary.succeeded} succeeded, "
-          f"{summary.failed} failed) in {_seconds(summary.elapsed_s)}", file=report)
-    return 0
+          f"{summary.failed} failed{resumed}) in {_seconds(summary.elapsed_s)}", file=report)
+    return 3 if args.fail_on_error and summary.failed else 0
+
+
+def _all_processes_arrive(name: str) -> None:
+    """A barrier across the processes of a multi-process run (nothing to wait for in one process)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 # ---- parser and entry point ----------------------------------------------------------------
@@ -663,7 +686,14 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     _add_engine_options(p_gen, env)
     p_gen.set_defaults(func=cmd_generate)
 
-    p_batch = sub.add_parser("run-batch", help="run an OpenAI batch JSONL file (chat and text completions)")
+    p_batch = sub.add_parser(
+        "run-batch", help="run an OpenAI batch JSONL file (chat and text completions)",
+        description="Run an OpenAI batch JSONL file (chat and text completions), like `vllm run-batch`. "
+                    "A line that cannot run gets an error line in the output (naming the line and the "
+                    "problem); the other lines still run.",
+        epilog="exit codes: 0 the run completed (every input line has its result line, successful or "
+               "not), 2 bad input (a missing input file, a bad option, an output file --resume cannot "
+               "read), 3 with --fail-on-error when any line failed, 130 interrupted.")
     p_batch.add_argument("-i", "--input-file", required=True, metavar="IN.jsonl", help="input JSONL ('-': stdin)")
     p_batch.add_argument("-o", "--output-file", required=True, metavar="OUT.jsonl",
                          help="output JSONL, one line per input line, in input order ('-': stdout)")
@@ -671,6 +701,12 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
                          help="serve Prometheus metrics on this port while the batch runs")
     p_batch.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
                          help="seconds between engine stats log lines (default 10)")
+    p_batch.add_argument("--resume", action="store_true",
+                         help="continue an interrupted run: skip the input lines whose custom_id has a "
+                              "successful result in the output file, keep those results and append the "
+                              "new ones (error lines and a truncated last line are dropped and run again)")
+    p_batch.add_argument("--fail-on-error", action="store_true",
+                         help="exit with code 3 if any line failed (default: 0 once the run completed)")
     _add_engine_options(p_batch, env)
     p_batch.set_defaults(func=cmd_run_batch)
 

@@ -333,6 +333,68 @@ def test_run_batch_writes_one_line_per_input_line(capsys, home, tmp_path):
     assert results[0]["response"]["body"]["usage"]["completion_tokens"] == 2
 
 
+@pytest.fixture
+def fake_batch(monkeypatch):
+    """run-batch without an engine: records what `run_batch` got; set `failed` to choose its result."""
+    import deepinfer.serve.api.batch as batch
+    from deepinfer.serve import cli
+
+    state = {"failed": 0, "calls": []}
+
+    def run_batch(llm, input_path, output_path, *, prometheus_port=None, previous=None):
+        state["calls"].append({"input": input_path, "output": output_path, "previous": previous})
+        return batch.BatchSummary(total=3, succeeded=3 - state["failed"], failed=state["failed"], skipped=1)
+
+    monkeypatch.setattr(cli, "_make_llm", lambda args, **kwargs: object())
+    monkeypatch.setattr(batch, "run_batch", run_batch)
+    return state
+
+
+@pytest.mark.parametrize(("failed", "flags", "code"), [(1, [], 0), (1, ["--fail-on-error"], 3),
+                                                        (0, ["--fail-on-error"], 0)])
+def test_run_batch_exit_code_with_failed_lines(capsys, tmp_path, fake_batch, failed, flags, code):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("{}\n")
+    fake_batch["failed"] = failed
+    got, out, err = run(capsys, "run-batch", "-i", str(src), "-o", str(dst), *flags)
+    assert got == code, err
+    assert f"wrote 3 result lines to {dst} ({3 - failed} succeeded, {failed} failed) in" in out
+    assert fake_batch["calls"][0]["previous"] is None
+
+
+def test_run_batch_resume_passes_the_earlier_results(capsys, tmp_path, fake_batch):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("{}\n")
+    done = {"id": "x", "custom_id": "a", "response": {"status_code": 200, "body": {}}, "error": None}
+    dst.write_text(json.dumps(done) + "\n" + json.dumps(done)[:20])  # the last line was cut short
+    code, out, err = run(capsys, "run-batch", "-i", str(src), "-o", str(dst), "--resume")
+    assert code == 0, err
+    previous = fake_batch["calls"][0]["previous"]
+    assert previous.done_ids == {"a"} and previous.dropped == 1
+    assert "(3 succeeded, 0 failed; 1 already done)" in out
+
+
+def test_run_batch_resume_rejects_what_it_cannot_resume(capsys, tmp_path, fake_batch):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("{}\n")
+    code, _, err = run(capsys, "run-batch", "-i", str(src), "-o", "-", "--resume")
+    assert code == 2
+    assert_one_line_error(err, "--resume", "output file")
+    dst.write_text("not a result\n{}\n")
+    code, _, err = run(capsys, "run-batch", "-i", str(src), "-o", str(dst), "--resume")
+    assert code == 2
+    assert_one_line_error(err, "--resume", str(dst), "line 1")
+    assert not fake_batch["calls"] and dst.read_text() == "not a result\n{}\n"
+
+
+def test_run_batch_help_documents_exit_codes_and_options(capsys):
+    code, out, _ = run(capsys, "run-batch", "--help")
+    assert code == 0
+    flat = " ".join(out.split())
+    for needle in ("--resume", "--fail-on-error", "exit codes: 0 the run completed", "3 with --fail-on-error"):
+        assert needle in flat, needle
+
+
 def test_cli_prefill_modes_are_the_engine_s():
     from deepinfer.serve import cli
     from deepinfer.serve.engine.engine import PREFILL_MODES

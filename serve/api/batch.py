@@ -20,12 +20,20 @@ Output, one line per input line and in input order::
                   text_completion>}},
      "error": null}
 
-A line that cannot run (bad JSON, no `custom_id`, an unknown `url`, `stream: true`, an invalid
-or unknown field, a prompt too long for the context) gets `status_code` 400, `body` null and
-`error = {"message": "line N: <field>: <problem>", "type": "invalid_request_error", "param": ...,
-"line": N}`; the rest of the batch runs. Blank lines are skipped. Every valid line is queued in
-the engine at once (continuous batching); results are written as soon as every earlier line is
-written, so the file grows in input order.
+A line that cannot run (not UTF-8, bad or too deeply nested JSON, no `custom_id` or one an
+earlier line already used, an unknown `url`, `stream: true`, an invalid or unknown field, a token
+id outside the vocabulary, a prompt too long for the context) gets `status_code` 400, `body` null
+and `error = {"message": "line N: <field>: <problem>", "type": "invalid_request_error", "param":
+..., "line": N}`; the rest of the batch runs. Blank lines are skipped. Every valid line is queued
+in the engine at once (continuous batching); results are written as soon as every earlier line is
+written, so the file grows in input order. If an engine step raises, the unfinished requests are
+run again in halves until the failure is down to one line, which gets it as its error (status
+500, `server_error`); the other lines complete.
+
+Resuming (`previous=read_previous(output)`, `deepinfer run-batch --resume`): input lines whose
+custom_id already has a successful result in the output file are skipped; that file is rewritten
+to hold only those results (error lines and a truncated last line are dropped, so their lines run
+again) and the new results are appended after them, in input order.
 
 Chat requests go through deepseek-recipe's request conversion (`prepare_chat`): its validation,
 template and effort rules. Thinking is off unless the body asks for it (`thinking`,
@@ -42,162 +50,35 @@ With `prometheus_port`, the `LLM.get_metrics()` values are served at
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TextIO
+from typing import Any, TextIO
 
+from deepinfer.serve.api.batch_lines import (CHAT_URL, COMPLETIONS_URL, Line, LineError, parse_line, queue_error,
+                                             split_lines)
+from deepinfer.serve.api.batch_resume import PreviousOutput, read_previous, rewrite_kept
 from deepinfer.serve.api.llm import LLM, parse_chat_completion
-from deepinfer.serve.api.types import RequestOutput, SamplingParams
-from deepinfer.serve.text.chat import ChatPrompt
+from deepinfer.serve.api.types import RequestOutput
 
-__all__ = ["CHAT_URL", "COMPLETIONS_URL", "BatchSummary", "metrics_registry", "run_batch"]
+__all__ = ["CHAT_URL", "COMPLETIONS_URL", "BatchSummary", "PreviousOutput", "metrics_registry", "read_previous",
+           "run_batch"]
 
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
-URLS = (CHAT_URL, COMPLETIONS_URL)
-
-_OPENAI_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
-                    "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "n")
-_VLLM_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                  "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
-_IGNORED = ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options")
-_CHAT_FIELDS = ("messages", "tools", "tool_choice", "response_format", "thinking", "reasoning_effort",
-                "chat_template_kwargs", "stream")
-_COMPLETION_FIELDS = ("prompt", "stream", "echo", "suffix", "best_of")
-
-
-class _LineError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param = param
-        self.status = status
-
-
-@dataclass
-class _Line:
-    number: int  # 1-based line number in the input file
-    custom_id: Any = None
-    kind: str | None = None  # "chat" | "completion"
-    request_id: str | None = None
-    chat_prompt: ChatPrompt | None = None
-    sampling: SamplingParams | None = None
-    output: dict | None = None  # the finished output line
+_log = logging.getLogger("deepinfer.batch")
+_MAX_MESSAGE = 1000  # characters of an error line's message
 
 
 @dataclass
 class BatchSummary:
-    total: int = 0
+    total: int = 0  # result lines written by this run
     succeeded: int = 0
     failed: int = 0
+    skipped: int = 0  # input lines whose result the previous output already had (resume)
     elapsed_s: float = 0.0
     failures: list[str] = field(default_factory=list)
-
-
-# ---- line parsing ---------------------------------------------------------------------------------
-
-
-def _field_of(message: str) -> str | None:
-    head, sep, _ = message.partition(":")
-    return head if sep and head.isidentifier() else None
-
-
-def _sampling(body: Mapping[str, Any]) -> SamplingParams:
-    values = {k: body[k] for k in (*_OPENAI_SAMPLING, *_VLLM_SAMPLING) if k in body}
-    try:
-        return SamplingParams.from_dict(values)
-    except ValueError as e:
-        raise _LineError(str(e), _field_of(str(e))) from None
-
-
-def _check_fields(body: Mapping[str, Any], own: tuple[str, ...]) -> None:
-    allowed = set(own) | set(_OPENAI_SAMPLING) | set(_VLLM_SAMPLING) | set(_IGNORED)
-    for key in body:
-        if key not in allowed:
-            raise _LineError(f"{key}: unknown or unsupported request field", key)
-    if body.get("stream"):
-        raise _LineError("stream: streaming responses are not supported in batch mode", "stream")
-
-
-def _prepare_chat(llm: LLM, line: _Line, body: Mapping[str, Any]) -> tuple[list[int], SamplingParams]:
-    _check_fields(body, _CHAT_FIELDS)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _LineError("messages: required, a non-empty list of message objects", "messages")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, Mapping):
-        raise _LineError("chat_template_kwargs: must be an object", "chat_template_kwargs")
-    for key in kwargs:
-        if key not in ("thinking", "reasoning_effort"):
-            raise _LineError(f"chat_template_kwargs: unsupported key {key!r} (thinking, reasoning_effort)",
-                             "chat_template_kwargs")
-    thinking = kwargs.get("thinking")
-    if thinking is not None and not isinstance(thinking, bool):
-        raise _LineError(f"chat_template_kwargs: thinking must be a bool, got {thinking!r}", "chat_template_kwargs")
-    body_thinking = body.get("thinking")
-    if body_thinking is not None:
-        if not isinstance(body_thinking, Mapping) or body_thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-            raise _LineError("thinking: must be {\"type\": \"enabled\" | \"disabled\" | \"adaptive\"}", "thinking")
-        thinking = body_thinking["type"] != "disabled"
-    effort = body.get("reasoning_effort", kwargs.get("reasoning_effort"))
-    if thinking is None and effort is None:
-        thinking = False
-    sampling = _sampling(body)
-    try:
-        prompt = llm.prepare_chat(messages, tools=body.get("tools"), tool_choice=body.get("tool_choice"),
-                                  response_format=body.get("response_format"), thinking=thinking,
-                                  reasoning_effort=effort, where="messages")
-    except ValueError as e:
-        raise _LineError(str(e), "messages") from None
-    n = len(prompt.token_ids)
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        try:
-            max_tokens = prompt.resolve_max_tokens(llm.max_model_len)
-        except ValueError as e:
-            raise _LineError(str(e), "messages") from None
-        sampling = _replace(sampling, max_tokens=max_tokens)
-    elif n + sampling.max_tokens > llm.max_model_len:
-        raise _LineError(f"max_tokens: this model's maximum context length is {llm.max_model_len} tokens, "
-                         f"but the request has {n} prompt tokens plus max_tokens={sampling.max_tokens}",
-                         "max_tokens")
-    line.chat_prompt = prompt
-    return prompt.token_ids, sampling
-
-
-def _prepare_completion(llm: LLM, body: Mapping[str, Any]) -> tuple[str | None, list[int], SamplingParams]:
-    _check_fields(body, _COMPLETION_FIELDS)
-    if body.get("echo"):
-        raise _LineError("echo: echoing the prompt is not supported", "echo")
-    if body.get("suffix") is not None:
-        raise _LineError("suffix: not supported", "suffix")
-    if body.get("best_of") not in (None, 1):
-        raise _LineError("best_of: only 1 is supported", "best_of")
-    if "prompt" not in body:
-        raise _LineError("prompt: required", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    sampling = _sampling(body)  # max_tokens defaults to 16, as in OpenAI's and vLLM's completions
-    try:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise _LineError("prompt: the prompt is empty", "prompt")
-            return prompt, llm.encode_prompt(prompt), sampling
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt), sampling
-    except ValueError as e:
-        raise _LineError(f"prompt: {e}", "prompt") from None
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise _LineError("prompt: one prompt per batch line (got a list of prompts)", "prompt")
-    raise _LineError("prompt: must be a non-empty string or a list of token ids", "prompt")
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    values = params.to_dict()
-    values.update(changes)
-    return SamplingParams(**values)
 
 
 # ---- response bodies -------------------------------------------------------------------------------
@@ -255,7 +136,7 @@ def _usage(output: RequestOutput, reasoning_tokens: int | None = None) -> dict:
     return usage
 
 
-def _chat_body(llm: LLM, line: _Line, output: RequestOutput) -> dict:
+def _chat_body(llm: LLM, line: Line, output: RequestOutput) -> dict:
     parsed = parse_chat_completion(llm.tokenizer, line.chat_prompt, output)
     completion = output.outputs[0]
     message: dict[str, Any] = {"role": "assistant",
@@ -285,7 +166,7 @@ def _chat_body(llm: LLM, line: _Line, output: RequestOutput) -> dict:
     }
 
 
-def _completion_body(llm: LLM, line: _Line, output: RequestOutput) -> dict:
+def _completion_body(llm: LLM, line: Line, output: RequestOutput) -> dict:
     completion = output.outputs[0]
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
@@ -303,14 +184,16 @@ def _completion_body(llm: LLM, line: _Line, output: RequestOutput) -> dict:
     }
 
 
-def _ok_line(line: _Line, body: dict) -> dict:
+def _ok_line(line: Line, body: dict) -> dict:
     return {"id": f"batch-{uuid.uuid4().hex}", "custom_id": line.custom_id,
             "response": {"status_code": 200, "request_id": f"batch-req-{uuid.uuid4().hex}", "body": body},
             "error": None}
 
 
-def _error_line(line: _Line, message: str, param: str | None, status: int = 400) -> dict:
+def _error_line(line: Line, message: str, param: str | None, status: int = 400) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
+    if len(message) > _MAX_MESSAGE:  # e.g. the repr of a huge or deeply nested value
+        message = message[: _MAX_MESSAGE - 3] + "..."
     return {"id": f"batch-{uuid.uuid4().hex}", "custom_id": line.custom_id,
             "response": {"status_code": status, "request_id": f"batch-req-{uuid.uuid4().hex}", "body": None},
             "error": {"message": f"line {line.number}: {message}", "type": kind, "param": param,
@@ -323,7 +206,7 @@ def _error_line(line: _Line, message: str, param: str | None, status: int = 400)
 class _OrderedWriter:
     """Writes results in input order: a result waits until every earlier line is written."""
 
-    def __init__(self, out: TextIO, lines: list[_Line]):
+    def __init__(self, out: TextIO, lines: list[Line]):
         self.out = out
         self.lines = lines
         self.next = 0
@@ -390,64 +273,154 @@ def _start_metrics_server(llm: LLM, port: int):
 # ---- runner ------------------------------------------------------------------------------------------
 
 
-def _read_lines(path: str) -> list[str]:
+def _read_input(path: str) -> bytes:
     if path == "-":
-        return sys.stdin.read().splitlines()
-    with open(path, encoding="utf-8") as f:
-        return f.read().splitlines()
+        stream = getattr(sys.stdin, "buffer", None)
+        return stream.read() if stream is not None else sys.stdin.read().encode("utf-8")
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _parse(llm: LLM, data: bytes, done_ids: frozenset[str]) -> tuple[list[Line], int]:
+    """Every non-blank input line, validated (bad ones already hold their error line), and the
+    number of lines skipped because `done_ids` has their custom_id."""
+    lines: list[Line] = []
+    first_line_of: dict[str, int] = {}
+    skipped = 0
+    for number, text in split_lines(data):
+        line = Line(number)
+        try:
+            if isinstance(text, LineError):
+                raise text
+            parse_line(llm, line, text, first_line_of, done_ids)
+        except LineError as e:
+            line.output = _error_line(line, str(e), e.param, e.status)
+        except RecursionError:
+            line.output = _error_line(line, "the request is nested too deeply", None)
+        except Exception as e:  # noqa: BLE001 - a case the checks did not foresee is still one line's error
+            line.output = _error_line(line, f"could not read the request: {type(e).__name__}: {e}", None, 500)
+        if line.done:
+            skipped += 1
+        else:
+            lines.append(line)
+    return lines, skipped
+
+
+class _KeepOpen:
+    """The batch's progress bar, passed to each `LLM._run` call (which closes what it is given)."""
+
+    def __init__(self, progress):
+        self.progress = progress
+
+    def update(self, output: RequestOutput) -> None:
+        self.progress.update(output)
+
+    def close(self) -> None:
+        pass
+
+
+def _queue(llm: LLM, group: list[Line], by_request: dict[str, Line]) -> list[str]:
+    """Add the lines to the engine (their request ids); a line it refuses gets its error line."""
+    ids: list[str] = []
+    try:
+        for line in group:
+            try:
+                line.request_id = llm._add_request(line.prompt_text, line.prompt_ids, line.sampling)
+            except ValueError as e:
+                error = queue_error(line, e)
+                line.output = _error_line(line, str(error), error.param, error.status)
+                continue
+            except Exception as e:  # noqa: BLE001 - one request the engine cannot take is one line's error
+                line.output = _error_line(line, f"could not queue the request: {type(e).__name__}: {e}", None, 500)
+                continue
+            by_request[line.request_id] = line
+            ids.append(line.request_id)
+    except BaseException:
+        for request_id in ids:
+            llm.engine.abort(request_id)
+        raise
+    return ids
+
+
+def _run_lines(llm: LLM, lines: list[Line], progress, writer: _OrderedWriter) -> None:
+    """Queue `lines` in the engine and step it until each has its output line.
+
+    When an engine step raises, `LLM._run` aborts every unfinished request. Those lines are run
+    again in two halves, one after the other, and so on: a failure that is down to one line gives
+    that line an error (status 500, the exception's message) and the others run to the end.
+    Finished lines keep their results; only the lines that shared a failing step are recomputed.
+    """
+    by_request: dict[str, Line] = {}
+
+    def finished(output: RequestOutput) -> None:
+        line = by_request.pop(output.request_id)
+        try:
+            body = _chat_body(llm, line, output) if line.kind == "chat" else _completion_body(llm, line, output)
+            line.output = _ok_line(line, body)
+        except Exception as e:  # noqa: BLE001 - one bad answer must not stop the batch
+            line.output = _error_line(line, f"could not build the response: {e}", None, 500)
+        writer.flush()
+
+    groups = [lines]  # a stack: the next group to run is last
+    while groups:
+        group = groups.pop()
+        ids = _queue(llm, group, by_request)
+        writer.flush()
+        try:
+            llm._run(ids, progress=_KeepOpen(progress), on_output=finished)
+        except OSError:  # writing the output failed: the run cannot go on
+            raise
+        except Exception as e:  # noqa: BLE001 - narrowed down to the line that causes it, below
+            left = [line for line in group if line.output is None]
+            for line in left:
+                by_request.pop(line.request_id, None)
+            if len(left) == 1:
+                left[0].output = _error_line(left[0], f"the engine failed running this request: "
+                                                      f"{type(e).__name__}: {e}", None, 500)
+                writer.flush()
+            elif left:
+                _log.warning("run-batch: an engine step failed (%s: %s); running its %d unfinished requests "
+                             "again in two halves to find the line that causes it", type(e).__name__, e, len(left))
+                half = len(left) // 2
+                groups += [left[half:], left[:half]]
 
 
 def run_batch(llm: LLM, input_path: str | os.PathLike, output_path: str | os.PathLike, *,
-              prometheus_port: int | None = None, use_tqdm: bool = True) -> BatchSummary:
+              prometheus_port: int | None = None, use_tqdm: bool = True,
+              previous: PreviousOutput | None = None) -> BatchSummary:
     """Run an OpenAI batch JSONL file through `llm`; see the module docstring.
 
     `input_path` / `output_path` may be "-" for stdin / stdout. Returns the counts of
     succeeded and failed lines. With `prometheus_port` (0 picks a free port), metrics are
-    served while the batch runs.
+    served while the batch runs. With `previous` (`read_previous(output_path)`: resume an
+    interrupted run), input lines whose custom_id has a successful result there are skipped, the
+    output file is rewritten to hold only those results, and the new results are appended.
     """
     start = time.monotonic()
     input_path, output_path = os.fspath(input_path), os.fspath(output_path)
-    raw_lines = _read_lines(input_path)
-    out = sys.stdout if output_path == "-" else open(output_path, "w", encoding="utf-8")
+    lines, skipped = _parse(llm, _read_input(input_path), previous.done_ids if previous else frozenset())
+    if output_path == "-":
+        out = sys.stdout
+    elif previous is not None and os.path.isfile(output_path):
+        rewrite_kept(output_path, previous)
+        out = open(output_path, "a", encoding="utf-8")
+    else:
+        out = open(output_path, "w", encoding="utf-8")
     server = None
-    lines: list[_Line] = []
-    queued: dict[str, _Line] = {}
     try:
         if prometheus_port is not None:
             server, _ = _start_metrics_server(llm, prometheus_port)
         writer = _OrderedWriter(out, lines)
-        try:
-            for number, raw in enumerate(raw_lines, start=1):
-                if not raw.strip():
-                    continue
-                line = _Line(number)
-                lines.append(line)
-                try:
-                    _prepare_line(llm, line, raw)
-                except _LineError as e:
-                    line.output = _error_line(line, str(e), e.param, e.status)
-                    continue
-                queued[line.request_id] = line
-        except BaseException:
-            for request_id in queued:
-                llm.engine.abort(request_id)
-            raise
         writer.flush()
-
-        def finished(output: RequestOutput) -> None:
-            line = queued[output.request_id]
-            try:
-                body = _chat_body(llm, line, output) if line.kind == "chat" else _completion_body(llm, line, output)
-                line.output = _ok_line(line, body)
-            except Exception as e:  # noqa: BLE001 - one bad answer must not stop the batch
-                line.output = _error_line(line, f"could not build the response: {e}", None, 500)
-            writer.flush()
-
+        runnable = [line for line in lines if line.output is None]
         progress = llm._progress_bar(
-            use_tqdm, total=len(queued), desc="Running batch", unit="req", mininterval=5,
+            use_tqdm, total=len(runnable), desc="Running batch", unit="req", mininterval=5,
             bar_format="{desc}: {percentage:3.0f}% Completed | {n_fmt}/{total_fmt} "
                        "[{elapsed}<{remaining}, {rate_fmt}]\n")
-        llm._run(list(queued), progress=progress, on_output=finished)
+        try:
+            _run_lines(llm, runnable, progress, writer)
+        finally:
+            progress.close()
         writer.flush()
         if writer.next != len(lines):  # pragma: no cover - every line has an output by now
             raise RuntimeError(f"{len(lines) - writer.next} batch line(s) got no result")
@@ -457,7 +430,7 @@ def run_batch(llm: LLM, input_path: str | os.PathLike, output_path: str | os.Pat
             server.server_close()
         if out is not sys.stdout:
             out.close()
-    summary = BatchSummary(total=len(lines), elapsed_s=time.monotonic() - start)
+    summary = BatchSummary(total=len(lines), skipped=skipped, elapsed_s=time.monotonic() - start)
     for line in lines:
         if line.output["error"] is None:
             summary.succeeded += 1
@@ -465,44 +438,3 @@ def run_batch(llm: LLM, input_path: str | os.PathLike, output_path: str | os.Pat
             summary.failed += 1
             summary.failures.append(line.output["error"]["message"])
     return summary
-
-
-def _prepare_line(llm: LLM, line: _Line, raw: str) -> None:
-    """Parse, validate and queue one input line (raises `_LineError`)."""
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise _LineError(f"invalid JSON: {e.msg} at column {e.colno}") from None
-    if not isinstance(data, dict):
-        raise _LineError(f"a batch line must be a JSON object, got {type(data).__name__}")
-    if isinstance(data.get("custom_id"), str):
-        line.custom_id = data["custom_id"]
-    if "custom_id" not in data:
-        raise _LineError("custom_id: required", "custom_id")
-    if not isinstance(data["custom_id"], str):
-        raise _LineError("custom_id: must be a string", "custom_id")
-    extra = set(data) - {"custom_id", "method", "url", "body"}
-    if extra:
-        key = sorted(extra)[0]
-        raise _LineError(f"{key}: unknown batch line field (custom_id, method, url, body)", key)
-    method = data.get("method")
-    if method != "POST":
-        raise _LineError(f"method: must be \"POST\", got {method!r}", "method")
-    url = data.get("url")
-    if url not in URLS:
-        raise _LineError(f"url: unsupported {url!r} (supported: {', '.join(URLS)})", "url")
-    body = data.get("body")
-    if not isinstance(body, dict):
-        raise _LineError("body: required, a JSON object", "body")
-    if url == CHAT_URL:
-        line.kind = "chat"
-        ids, sampling = _prepare_chat(llm, line, body)
-        text = None
-    else:
-        line.kind = "completion"
-        text, ids, sampling = _prepare_completion(llm, body)
-    line.sampling = sampling
-    try:
-        line.request_id = llm._add_request(text, ids, sampling)
-    except ValueError as e:
-        raise _LineError(f"prompt: {e}", "messages" if line.kind == "chat" else "prompt") from None
