@@ -143,9 +143,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
-        if request is None or request.finished:
+        if request is None:
             return None
-        self.scheduler.abort(request)
+        self.scheduler.abort(request)  # also frees a request finished by a step that then raised
+        if request.finished:
+            return None
         request.status, request.finish_reason = Status.FINISHED, "abort"
         request.metrics.finished_time = time.time()
         return request.to_output()

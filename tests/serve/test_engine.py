@@ -79,6 +79,25 @@ def test_abort_frees_the_slot_and_its_pages(model):
     assert not engine.has_unfinished()
 
 
+def test_abort_after_a_step_that_raised_frees_the_slot(model, monkeypatch):
+    """A request that a step finished just before it raised is still in the scheduler; the
+    caller's clean-up abort must give its slot and pages back."""
+    engine = make_engine(model)
+    engine.add_request("done", prompt(20, 5), SamplingParams(max_tokens=1, **GREEDY))
+
+    def fail(*args):
+        raise RuntimeError("step failed after sampling")
+
+    monkeypatch.setattr(engine, "_finish_stuck", fail)
+    with pytest.raises(RuntimeError, match="after sampling"):
+        engine.step()
+    assert engine.requests["done"].finished
+    assert engine.abort("done") is None
+    assert engine.cache.pages.free == engine.cache.layout.num_pages
+    assert engine.cache.free_slots == engine.cache.layout.num_slots
+    assert not engine.has_unfinished()
+
+
 def test_preemption_recomputes_and_keeps_outputs_exact(model):
     """A pool too small for both sequences forces a preemption; the preempted request is
     recomputed later and still produces the greedy tokens of an unconstrained run."""
