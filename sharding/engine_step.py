@@ -103,7 +103,8 @@ class MeshStep:
         if layout.dp != mesh.shape["dp"]:
             raise ValueError(f"cache layout dp={layout.dp} differs from the mesh's dp={mesh.shape['dp']}")
         self.mesh, self.config, self.layout, self.kernels = mesh, config, layout, kernels
-        method = ep_method or ("all_to_all" if jax.default_backend() == "cpu" else "ragged_all_to_all")
+        on_cpu = mesh.devices.flat[0].platform == "cpu"  # the mesh's accelerator, not JAX's default one
+        method = ep_method or ("all_to_all" if on_cpu else "ragged_all_to_all")
         self.ep = ExpertParallel(axes=EP_AXES, method=method, replicated_axes=("cp", "tp"))
         self.cp = mesh.shape["cp"]
         self.ep_cp = ExpertParallel(axes=EP_AXES, method=method, replicated_axes=("tp",))
