@@ -68,7 +68,8 @@ class ExpertBalancer:
         `nodes_of`), every expert its own group, so a multi-host mesh plans hierarchically."""
         procs = [0] if mesh is None else [int(d.process_index) for d in np.asarray(mesh.devices).flat]
         nodes = nodes_of(procs)
-        groups = n_experts if n_experts % nodes == 0 else 1  # groups must be whole per node
+        # whole groups per node; one node plans globally (groups = 1), as one process always did
+        groups = n_experts if nodes > 1 and n_experts % nodes == 0 else 1
         return cls(n_layers, n_experts, slots or n_experts + len(procs), len(procs), nodes=nodes,
                    interval=interval, groups=groups)
 

@@ -60,7 +60,7 @@ def test_two_processes_plan_hierarchically_with_a_valid_layout():
 
 def test_one_process_plans_globally():
     balancer = ExpertBalancer.for_mesh(LAYERS, EXPERTS, None, fake_mesh([0] * 8))
-    assert balancer.nodes == 1 and not balancer.hierarchical
+    assert (balancer.nodes, balancer.groups) == (1, 1) and not balancer.hierarchical
     assert balancer.slots == EXPERTS + DEVICES  # default: one extra slot per device
     phy2log, _, count = balancer.plan(skewed_load())
     # global: the hottest expert's replicas may go anywhere, every device gets two slots
