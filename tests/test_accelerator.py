@@ -154,11 +154,15 @@ def test_the_environment_default_is_read_once_at_the_boundary():
     assert EnvDefaults.from_environ({}).resolved_accelerator() == "auto"
 
 
-def test_cli_kernels_and_generate_on_cpu(capsys, monkeypatch):
+def test_cli_kernels_forward_and_generate_on_cpu(capsys, monkeypatch):
     code, out, err = run(capsys, "kernels", "--accelerator", "cpu", "--json")
     assert code == 0, err
     listing = json.loads(out)
     assert listing["platform"] == "cpu" and {row["implementation"] for row in listing["ops"]} == {"reference"}
+
+    code, out, err = run(capsys, "forward", "--preset", "tiny-v4.1", "--prompt", "Hi", "--accelerator", "cpu")
+    assert code == 0, err
+    assert "backend cpu (cpu)" in out
 
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "cpu")  # the environment's default reaches the engine
     code, out, err = run(capsys, "generate", "--prompt", "Hello", "--max-tokens", "2", "--temperature", "0",

@@ -100,8 +100,9 @@ class ExpertBalancer:
         self.layout = self.plan(window)
         after = self._worst_imbalance(window)
         self.history.append({"tokens": int(window.sum()), "imbalance_before": before, "imbalance_after": after})
-        log.info("EPLB: new expert layout from %d routed tokens; worst layer max/mean device load "
-                 "%.3f -> %.3f", window.sum(), before, after)
+        log.info("EPLB: new expert layout (%s) from %d routed tokens; worst layer max/mean device load "
+                 "%.3f -> %.3f", f"hierarchical over {self.nodes} nodes" if self.hierarchical else "global",
+                 window.sum(), before, after)
         return self.layout
 
     def _worst_imbalance(self, load: np.ndarray) -> float:
