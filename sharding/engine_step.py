@@ -115,11 +115,10 @@ class MeshStep:
 
     # ---- placement ----------------------------------------------------------------------
     def place_params(self, params: dict) -> dict:
-        n_phys = params["layers"][0]["ffn"]["experts"]["w1"]
-        n_phys = (n_phys.q if hasattr(n_phys, "q") else n_phys).shape[0]
-        if n_phys % self.mesh.size:
-            raise ValueError(f"{n_phys} routed experts cannot be split over {self.mesh.size} devices "
-                             "(expert parallelism needs a multiple of the device count)")
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):  # the layers' and the drafter's
+            if _is_expert_leaf(path) and np.shape(leaf)[0] % self.mesh.size:
+                raise ValueError(f"{np.shape(leaf)[0]} routed experts ({jax.tree_util.keystr(path)}) cannot be split "
+                                 f"over {self.mesh.size} devices (expert parallelism needs a multiple of the device count)")
         specs = params_specs(params)
         return jax.tree.map(lambda x, spec: to_global(np.asarray(x), NamedSharding(self.mesh, spec)), params, specs)
 

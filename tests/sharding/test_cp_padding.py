@@ -58,3 +58,15 @@ def test_padded_cp_prefill_then_decode_equal_the_full_forward(model, cp, chunks)
     print(f"\ncp={cp} chunks {chunks}: padded CP prefill + decode vs full forward: max rel diff {rel:.2e}")
     assert rel <= 1e-5
     np.testing.assert_array_equal(ours.argmax(-1), full.argmax(-1))
+
+
+def test_drafter_experts_that_do_not_split_are_named(model):
+    """tiny-v4.1's drafter keeps 8 experts: over cp=3 that is a clear error naming the drafter's
+    weights (the layers' 6 experts would split)."""
+    config, _ = model
+    import dataclasses
+
+    config = dataclasses.replace(config, dspark_n_routed_experts=8)
+    layout = CacheLayout(num_slots=2, page_size=64, num_pages=16, max_pages_per_slot=8, storage=FLOAT)
+    with pytest.raises(ValueError, match=r"8 routed experts \(\['mtp'\]\[0\]\['ffn'\]\['experts'\].*3 devices"):
+        ModelRunner(init_params(config, seed=3), config, layout, mesh=make_mesh("cp=3", devices=jax.devices()[:3]))
