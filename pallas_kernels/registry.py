@@ -10,7 +10,8 @@ Each op has named implementations per backend:
                 and for debugging a kernel inside the model on CPU.
 
 The model asks the registry, never a kernel module. The platform's preference order is worked
-out once per process (`platform_info()`): CPU (and anything that is not a CUDA GPU) uses the
+out once per process and JAX backend (`platform_info()`; the backend is `KernelConfig.platform`,
+JAX's default one unless an accelerator was chosen): CPU (and anything that is not a CUDA GPU) uses the
 references; a CUDA GPU uses, per op, `gpu_mosaic` if that op has one, else `gpu_triton`, else
 the reference. `KernelConfig(backend=...)` overrides the choice for every op that has an
 implementation of that backend (the others keep the reference, and `describe()` says so);
@@ -58,14 +59,15 @@ class PlatformInfo:
 
 
 @functools.cache
-def platform_info() -> PlatformInfo:
-    """The platform of `jax.default_backend()`, read once per process."""
+def platform_info(backend: str | None = None) -> PlatformInfo:
+    """The platform of JAX backend `backend` ("cpu", "cuda", a plugin's name; None: JAX's
+    default backend), read once per process and backend."""
     import jax
 
-    name = jax.default_backend()
+    dev = jax.devices(backend)[0] if backend else jax.devices()[0]
+    name = dev.platform if backend else jax.default_backend()
     if name != "gpu":
         return PlatformInfo(platform=name)
-    dev = jax.devices()[0]
     version = str(getattr(dev.client, "platform_version", "")).lower()
     vendor = "rocm" if "rocm" in version or "hip" in version else "cuda"
     cc = None
@@ -119,10 +121,13 @@ class KernelConfig:
     """Which implementations run. `backend=None` (the default) chooses from the platform;
     a backend name applies to every op that has that implementation (the rest keep the
     reference); `ops` pins single ops, e.g. `ops=(("sparse_attention", "interpret"),)`.
+    `platform`: the JAX backend the model runs on ("cpu", "cuda", "ascend"; None: JAX's
+    default backend), set from the chosen accelerator (`pallas_kernels.accelerator`).
     Frozen and hashable: the model passes it to `jax.jit` as a static argument."""
 
     backend: str | None = AUTO
     ops: tuple[tuple[str, str], ...] = field(default=())
+    platform: str | None = None
 
     def __post_init__(self):
         for name in [self.backend, *(b for _, b in self.ops)]:
@@ -151,7 +156,7 @@ def resolve(op: str, config: KernelConfig | None = None,
     if op not in _IMPLEMENTATIONS:
         raise KeyError(f"unknown kernel op {op!r}; known: {sorted(_IMPLEMENTATIONS)}")
     config = config or KernelConfig()
-    info = info or platform_info()
+    info = info or platform_info(config.platform)
     impls = _IMPLEMENTATIONS[op]
     unknown = sorted({o for o, _ in config.ops} - set(_IMPLEMENTATIONS))
     if unknown:

@@ -32,6 +32,7 @@ Currently read:
     DEEPINFER_COORDINATOR                   default for `--coordinator` (multi-process runs)
     DEEPINFER_NUM_PROCESSES                 default for `--num-processes`
     DEEPINFER_PROCESS_ID                    default for `--process-id`
+    DEEPINFER_ACCELERATOR                   default for `--accelerator` (auto | cuda | ascend | cpu; nvidia = cuda)
 
 Exit codes: 0 success, 1 `verify-checkpoint` found problems, 2 bad input (one line on stderr naming the
 problem), 3 `run-batch --fail-on-error` with failed lines, 130 interrupted.
@@ -58,6 +59,7 @@ DEFAULT_PREFILL_MODE = "compact"
 DEFAULT_KEEP_TOKENS = 140
 ENV_PREFILL_MODE = "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"
 ENV_KEEP_TOKENS = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
+ENV_ACCELERATOR = "DEEPINFER_ACCELERATOR"
 
 
 class CliError(Exception):
@@ -76,6 +78,7 @@ class EnvDefaults:
     coordinator: str | None = None
     num_processes: str | None = None
     process_id: str | None = None
+    accelerator: str | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> EnvDefaults:
@@ -87,6 +90,7 @@ class EnvDefaults:
             coordinator=environ.get("DEEPINFER_COORDINATOR") or None,
             num_processes=environ.get("DEEPINFER_NUM_PROCESSES") or None,
             process_id=environ.get("DEEPINFER_PROCESS_ID") or None,
+            accelerator=environ.get(ENV_ACCELERATOR) or None,
         )
 
     def resolved_prefill_mode(self) -> str:
@@ -97,6 +101,15 @@ class EnvDefaults:
         if mode not in PREFILL_MODES:
             raise CliError(f"{ENV_PREFILL_MODE}={self.prefill_mode!r}: must be one of {', '.join(PREFILL_MODES)}")
         return mode
+
+    def resolved_accelerator(self) -> str:
+        """`DEEPINFER_ACCELERATOR`, else auto."""
+        from deepinfer.pallas_kernels.accelerator import normalize
+
+        try:
+            return "auto" if self.accelerator is None else normalize(self.accelerator, ENV_ACCELERATOR)
+        except ValueError as e:
+            raise CliError(str(e)) from None
 
     def resolved_keep_tokens(self) -> int:
         """`DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`, else 140."""
@@ -155,12 +168,9 @@ def _dense_param_bytes(config) -> int:
     return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in leaves)
 
 
-def _available_memory_bytes() -> int | None:
-    """Free memory where random weights would be allocated: device memory limit on an
+def _available_memory_bytes(device) -> int | None:
+    """Free memory where random weights would be allocated: `device`'s memory limit on an
     accelerator, else the host's MemAvailable. None when unknown."""
-    import jax
-
-    device = jax.devices()[0]
     if device.platform != "cpu":
         try:
             stats = device.memory_stats() or {}
@@ -185,6 +195,29 @@ def _gib(n: float) -> str:
 
 def _seconds(t: float) -> str:
     return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
+
+
+def _select_accelerator(args: argparse.Namespace):
+    """The `Accelerator` of --accelerator (default: $DEEPINFER_ACCELERATOR, else auto)."""
+    from deepinfer.pallas_kernels.accelerator import select_accelerator
+
+    try:
+        return select_accelerator(_accelerator_name(args))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _accelerator_name(args: argparse.Namespace) -> str:
+    env: EnvDefaults = getattr(args, "env", None) or EnvDefaults()
+    return args.accelerator if args.accelerator is not None else env.resolved_accelerator()
+
+
+def _add_accelerator_option(p) -> None:
+    from deepinfer.pallas_kernels.accelerator import ACCELERATORS
+
+    p.add_argument("--accelerator", choices=ACCELERATORS, default=None,
+                   help="the devices and kernels to run on: auto (JAX's default backend), cuda, ascend (an "
+                        "Ascend PJRT plugin, reference kernels) or cpu (default: $DEEPINFER_ACCELERATOR, else auto)")
 
 
 def _enable_compilation_cache(directory: str | None) -> None:
@@ -241,27 +274,31 @@ def cmd_forward(args: argparse.Namespace) -> int:
     elif not os.path.isdir(args.checkpoint):
         raise CliError(f"checkpoint directory {args.checkpoint!r} does not exist")
 
+    accelerator = _select_accelerator(args)
+    device = accelerator.first_local_device
     _enable_compilation_cache(args.compilation_cache)
     import jax
     import numpy as np
 
     from deepinfer.model import forward, init_params, load_checkpoint
     from deepinfer.model.tokenizer import decode_token, load_tokenizer
+    from deepinfer.sharding import make_mesh
 
     t0 = time.perf_counter()
     if args.preset is not None:
         config = _resolve_config(args.preset, **overrides)
-        need, have = _dense_param_bytes(config), _available_memory_bytes()
+        need, have = _dense_param_bytes(config), _available_memory_bytes(device)
         if have is not None and need > have:
             raise CliError(
                 f"random weights for preset {args.preset!r} need {_gib(need)} but only {_gib(have)} "
                 "is available; use a smaller preset (tiny-v4.1) or --checkpoint"
             )
-        params = init_params(config, args.seed)
+        with jax.default_device(device):
+            params = init_params(config, args.seed)
         source = f"random weights (seed {args.seed})"
     else:
         try:
-            config, params = load_checkpoint(args.checkpoint, **overrides)
+            config, params = load_checkpoint(args.checkpoint, make_mesh("dp=1", devices=[device]), **overrides)
         except (ValueError, OSError) as e:  # CheckpointError and ConfigError are ValueErrors
             raise CliError(f"cannot load checkpoint {args.checkpoint!r}: {e}") from None
         source = f"checkpoint {args.checkpoint}"
@@ -277,7 +314,7 @@ def cmd_forward(args: argparse.Namespace) -> int:
         raise CliError(f"token id {int(ids.max())} is outside the model's vocabulary ({config.vocab_size})")
 
     t0 = time.perf_counter()
-    logits = forward(params, config, ids)
+    logits = forward(params, config, ids, kernels=accelerator.kernel_config())
     last = np.asarray(jax.block_until_ready(logits)[-1], dtype=np.float64)
     t_forward = time.perf_counter() - t0
     if not np.all(np.isfinite(last)):
@@ -290,7 +327,7 @@ def cmd_forward(args: argparse.Namespace) -> int:
 
     print(f"model   : {config.name} ({source})")
     print(f"numerics: dtype {config.dtype}, fake-quant {'on' if config.fake_quant else 'off'}, "
-          f"backend {jax.default_backend()}")
+          f"backend {device.platform} ({accelerator.name})")
     print(f"prompt  : {args.prompt!r} -> {len(ids)} tokens (BOS + {len(prompt_ids)})")
     print(f"timings : params {_seconds(t_params)}, tokenize {_seconds(t_tokenize)}, "
           f"compile+run {_seconds(t_forward)}")
@@ -348,6 +385,7 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_chunk": args.prefill_chunk, "num_pages": args.num_pages, "fake_quant": not args.no_fake_quant,
         "dtype": args.dtype,
         "prefill_mode": mode, "keep_tokens": keep, "seed": args.seed if args.seed is not None else 0,
+        "accelerator": _accelerator_name(args),
     }
     if args.tokenizer is not None:
         if not os.path.isfile(args.tokenizer):
@@ -587,6 +625,7 @@ def _add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
                    help="run on a device mesh, e.g. dp=2,cp=2,tp=1 (axes dp, cp, tp; the product is the "
                         "device count; a missing dp takes the devices left, so cp=2 on 8 devices is dp=4,cp=2), "
                         "or auto (every device on dp) (default: $DEEPINFER_MESH, else one device)")
+    _add_accelerator_option(p)
     p.add_argument("--eplb-interval", type=int, default=None, metavar="STEPS",
                    help="expert load balancing: install a new expert layout every STEPS engine steps (default: off)")
     p.add_argument("--eplb-slots", type=int, default=None, metavar="N",
@@ -659,6 +698,7 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     p_fwd.add_argument("--compilation-cache", default=env.compilation_cache, metavar="DIR",
                        help="JAX persistent compilation cache directory "
                             "(default: $DEEPINFER_COMPILATION_CACHE, else none)")
+    _add_accelerator_option(p_fwd)
     p_fwd.set_defaults(func=cmd_forward)
 
     p_conv = sub.add_parser("convert", help="official checkpoint -> orbax fast-restart checkpoint")
@@ -714,7 +754,7 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     from deepinfer.serve.grpc.cli import add_serve_parser
 
     add_serve_parser(sub, env)
-    add_kernels_parser(sub)
+    add_kernels_parser(sub, accelerator_env=(ENV_ACCELERATOR, env.accelerator))
     return parser
 
 

@@ -5,7 +5,8 @@ Each `dp` rank owns `num_slots / dp` slots and `num_pages / dp` pages of the cac
 shares). A step's rows are grouped by rank and carry LOCAL slot and page ids, so a sequence's
 attention never leaves its rank. Ranks along `cp` and `tp` hold the same rows (the attention is
 replicated there) except in prefill: with `cp` > 1 a prefill chunk's queries are split over the
-`cp` ranks by the zigzag scheme (rank r holds blocks r and 2*cp-1-r, equal causal work), the
+`cp` ranks by the zigzag scheme (rank r holds blocks r and 2*cp-1-r, equal causal work; a chunk
+whose length is no multiple of 2*cp is padded with position -1 tokens first), the
 window keys, ring writes and compressor run on the gathered chunk (`model.step._Chunk`). The MoE
 spreads every rank's tokens over all devices, which hold `experts / devices` experts each,
 through `ExpertParallel`. The logits are gathered over `dp` so
@@ -68,6 +69,24 @@ def batch_specs(batch: StepBatch, split: bool) -> StepBatch:
                         for f in dataclasses.fields(batch)})
 
 
+def zigzag_rows(batch: StepBatch, cp: int) -> StepBatch:
+    """Each row's tokens in rank-major zigzag order (`context_parallel.zigzag_slots`), the rows
+    first padded to a multiple of 2*cp with token 0 at position -1: like a row's own padding,
+    those tokens attend to nothing, are seen by nothing and write nothing to the cache."""
+    T = batch.tokens.shape[1]
+    order = zigzag_slots(T, cp)
+
+    def permute(a: np.ndarray | None, fill: int) -> np.ndarray | None:
+        if a is None:
+            return None
+        padded = np.full((a.shape[0], len(order), *a.shape[2:]), fill, a.dtype)
+        padded[:, :T] = a
+        return padded[:, order]
+
+    return dataclasses.replace(batch, tokens=permute(batch.tokens, 0), positions=permute(batch.positions, -1),
+                               hash_ids=permute(batch.hash_ids, 0))
+
+
 def to_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array from a host value that every process holds in full."""
     host = np.asarray(host)
@@ -84,20 +103,22 @@ class MeshStep:
         if layout.dp != mesh.shape["dp"]:
             raise ValueError(f"cache layout dp={layout.dp} differs from the mesh's dp={mesh.shape['dp']}")
         self.mesh, self.config, self.layout, self.kernels = mesh, config, layout, kernels
-        method = ep_method or ("all_to_all" if jax.default_backend() == "cpu" else "ragged_all_to_all")
+        on_cpu = mesh.devices.flat[0].platform == "cpu"  # the mesh's accelerator, not JAX's default one
+        method = ep_method or ("all_to_all" if on_cpu else "ragged_all_to_all")
         self.ep = ExpertParallel(axes=EP_AXES, method=method, replicated_axes=("cp", "tp"))
         self.cp = mesh.shape["cp"]
         self.ep_cp = ExpertParallel(axes=EP_AXES, method=method, replicated_axes=("tp",))
         self._replicated = NamedSharding(mesh, P())
         self._steps: dict[tuple, object] = {}
+        # prefill row length -> query tokens per cp rank of the last such step
+        self.queries_per_rank: dict[int, int] = {}
 
     # ---- placement ----------------------------------------------------------------------
     def place_params(self, params: dict) -> dict:
-        n_phys = params["layers"][0]["ffn"]["experts"]["w1"]
-        n_phys = (n_phys.q if hasattr(n_phys, "q") else n_phys).shape[0]
-        if n_phys % self.mesh.size:
-            raise ValueError(f"{n_phys} routed experts cannot be split over {self.mesh.size} devices "
-                             "(expert parallelism needs a multiple of the device count)")
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):  # the layers' and the drafter's
+            if _is_expert_leaf(path) and np.shape(leaf)[0] % self.mesh.size:
+                raise ValueError(f"{np.shape(leaf)[0]} routed experts ({jax.tree_util.keystr(path)}) cannot be split "
+                                 f"over {self.mesh.size} devices (expert parallelism needs a multiple of the device count)")
         specs = params_specs(params)
         return jax.tree.map(lambda x, spec: to_global(np.asarray(x), NamedSharding(self.mesh, spec)), params, specs)
 
@@ -115,17 +136,19 @@ class MeshStep:
     def __call__(self, params: dict, cache: KVCache, batch: StepBatch, *, all_logits: bool, decoder: bool):
         """`batch` holds host arrays, rows grouped by dp rank, local slot and page ids."""
         T = batch.tokens.shape[1]
-        split = self.cp > 1 and T > 1 and T % (2 * self.cp) == 0
+        split = self.cp > 1 and T > 1
         key = (all_logits, decoder, split, jax.tree.map(np.shape, batch))
-        if split:  # rank-major zigzag order of each row's tokens; the token axis splits over cp
-            order = zigzag_slots(T, self.cp)
-            batch = dataclasses.replace(batch, tokens=batch.tokens[:, order], positions=batch.positions[:, order],
-                                        hash_ids=None if batch.hash_ids is None else batch.hash_ids[:, order])
+        if split:
+            batch = zigzag_rows(batch, self.cp)
         specs = batch_specs(batch, split)
         batch = jax.tree.map(lambda a, spec: to_global(a, NamedSharding(self.mesh, spec)), batch, specs)
+        if split:  # what each device really got (the tests check the work is split)
+            self.queries_per_rank[T] = batch.tokens.addressable_shards[0].data.shape[1]
         if key not in self._steps:
             self._steps[key] = self._compile(params, cache, batch, all_logits, decoder, split)
         cache, logits, counts = self._steps[key](params, cache, batch)
+        if split and all_logits:
+            logits = logits[:, :T]  # the padding columns
         return cache, (logits if decoder else None), counts
 
     def _compile(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool):

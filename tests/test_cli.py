@@ -154,7 +154,7 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, needles):
 def test_forward_refuses_random_weights_that_do_not_fit(capsys, monkeypatch):
     import deepinfer.serve.cli as cli
 
-    monkeypatch.setattr(cli, "_available_memory_bytes", lambda: 2**30)
+    monkeypatch.setattr(cli, "_available_memory_bytes", lambda device: 2**30)
     code, _, err = run(capsys, "forward", "--preset", "deepseek-v4.1-flash", "--prompt", "Hi")
     assert code == 2
     assert_one_line_error(err, "deepseek-v4.1-flash", "GiB")
@@ -238,7 +238,7 @@ def home(tmp_path, monkeypatch):
     """An empty home directory: the embedded default checkpoint is written under it."""
     monkeypatch.setenv("HOME", str(tmp_path))
     for name in ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS",
-                 "DEEPINFER_COMPILATION_CACHE"):
+                 "DEEPINFER_COMPILATION_CACHE", "DEEPINFER_ACCELERATOR"):
         monkeypatch.delenv(name, raising=False)
     return tmp_path
 

@@ -48,6 +48,7 @@ import numpy as np
 
 from deepinfer.model import PRESETS, init_params, load_checkpoint, load_config, write_checkpoint
 from deepinfer.model.checkpoint import INDEX_FILE
+from deepinfer.pallas_kernels.accelerator import Accelerator, select_accelerator
 from deepinfer.serve.api.types import RequestOutput, SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import PREFILL_MODES, EngineConfig, LLMEngine
@@ -58,6 +59,7 @@ from deepinfer.serve.text.chat import (
     ParsedChat,
     prepare_chat,
 )
+from deepinfer.sharding import make_mesh
 
 __all__ = ["DEFAULT_MODEL", "LLM", "PREFILL_MODES", "default_cache_dir", "ensure_default_checkpoint", "parse_chat_completion"]
 
@@ -69,7 +71,7 @@ CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_f
 _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
     "prefill_chunk", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
-    "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context",
+    "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context", "accelerator",
 )
 
 
@@ -124,8 +126,9 @@ def ensure_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> tup
 # ---- helpers ----------------------------------------------------------------------------------
 
 
-def _resolve_mesh(mesh: Any):
-    """None | "auto" | "dp=2,cp=2,tp=1" | {"dp": 2, ...} | Mesh -> Mesh or None."""
+def _resolve_mesh(mesh: Any, accelerator: Accelerator):
+    """None | "auto" | "dp=2,cp=2,tp=1" | {"dp": 2, ...} | Mesh -> Mesh or None; a spec is laid
+    over the accelerator's devices, a Mesh must be made of them."""
     if mesh is None:
         return None
     from jax.sharding import Mesh
@@ -135,12 +138,16 @@ def _resolve_mesh(mesh: Any):
     if isinstance(mesh, Mesh):
         if tuple(mesh.axis_names) != AXES:
             raise ValueError(f"mesh: axes must be {AXES}, got {tuple(mesh.axis_names)}")
+        platforms = {d.platform for d in mesh.devices.flat}
+        if accelerator.backend is not None and platforms != {accelerator.platform}:
+            raise ValueError(f"mesh: its devices are {', '.join(sorted(platforms))} but accelerator="
+                             f"{accelerator.name!r} runs on {accelerator.platform}")
         return mesh
     if not isinstance(mesh, (str, dict)):
         raise ValueError(f"mesh: must be a Mesh, a spec like 'dp=2,cp=2,tp=1', a dict or 'auto', "
                          f"got {type(mesh).__name__}")
     try:
-        return make_mesh(None if mesh == "auto" else mesh)
+        return make_mesh(None if mesh == "auto" else mesh, devices=accelerator.devices)
     except ValueError as e:
         raise ValueError(f"mesh: {e}") from None
 
@@ -257,6 +264,10 @@ class LLM:
             one per device) is planned from the counted load and installed; None: off.
         drafter_context: keep the DSpark drafter's context (one window ring per draft block and
             sequence, written every step) when the checkpoint has the drafter (`mtp.*`).
+        accelerator: "auto" (JAX's default backend), "cuda", "ascend" (a configured Ascend PJRT
+            plugin, reference kernels) or "cpu": the devices of the params, cache and mesh, and
+            the platform the kernels are chosen for. A backend JAX does not have is a
+            `ValueError` saying what to install (`pallas_kernels.accelerator`).
 
     Unknown keyword arguments raise `ValueError` naming the argument.
     """
@@ -282,6 +293,7 @@ class LLM:
         eplb_interval: int | None = None,
         eplb_slots: int | None = None,
         drafter_context: bool = True,
+        accelerator: str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -312,7 +324,9 @@ class LLM:
             _positive_int("eplb_interval", eplb_interval)
         if eplb_slots is not None:
             _positive_int("eplb_slots", eplb_slots)
-        self.mesh = _resolve_mesh(mesh)
+        # first JAX work of the constructor: the Ascend plugin must register before the backends start
+        self.accelerator = select_accelerator(accelerator)
+        self.mesh = _resolve_mesh(mesh, self.accelerator)
         if self.mesh is not None and max_num_seqs % self.mesh.shape["dp"]:
             raise ValueError(f"max_num_seqs: {max_num_seqs} must be a multiple of the mesh's dp={self.mesh.shape['dp']}")
         directory, self.model_name = self._resolve_model(model, cache_dir)
@@ -332,7 +346,8 @@ class LLM:
         if dtype is not None:
             overrides["dtype"] = dtype
         try:
-            self.config, params = load_checkpoint(directory, **overrides)
+            one_device = make_mesh("dp=1", devices=[self.accelerator.first_local_device])
+            self.config, params = load_checkpoint(directory, one_device, **overrides)
         except (ValueError, OSError) as e:  # CheckpointError / ConfigError are ValueErrors
             raise ValueError(f"model: cannot load checkpoint {directory}: {e}") from None
         self.tokenizer = self._load_tokenizer(tokenizer)
@@ -342,7 +357,7 @@ class LLM:
         engine_config = EngineConfig(budget=budget, prefill_chunk=prefill_chunk, seed=seed,
                                      prefill_mode=prefill_mode, keep_tokens=keep_tokens,
                                      eplb_interval=eplb_interval, eplb_slots=eplb_slots,
-                                     drafter_context=drafter_context)
+                                     drafter_context=drafter_context, kernels=self.accelerator.kernel_config())
         self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config, mesh=self.mesh)
         self.log_stats_interval = log_stats_interval
         self._ids = itertools.count()

@@ -43,6 +43,12 @@ def token_bucket(n: int, minimum: int = 128) -> int:
     return size
 
 
+def _device_of(params: dict):
+    """The one device all of `params` live on, or None (JAX's default device)."""
+    devices = {d for leaf in jax.tree.leaves(params) if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
+    return devices.pop() if len(devices) == 1 else None
+
+
 class ModelRunner:
     """Owns the params and the device cache; every step donates and replaces the cache.
 
@@ -69,7 +75,8 @@ class ModelRunner:
             self.cache = self.mesh_step.init_cache()
         else:
             self.params = params
-            self.cache = init_cache(config, layout)
+            with jax.default_device(_device_of(params)):  # the cache goes where the params are
+                self.cache = init_cache(config, layout)
         self.expert_load = np.zeros((config.num_hidden_layers, config.n_routed_experts), np.int64)
         self._compiled: set = set()
         self.compile_seconds: dict[tuple, float] = {}

@@ -129,7 +129,7 @@ def build_settings(args: argparse.Namespace):
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(...)` keyword arguments from the engine options (shared with `deepinfer generate`)."""
-    from deepinfer.serve.cli import CliError, _check_model_arg, _engine_settings
+    from deepinfer.serve.cli import CliError, _check_model_arg, _engine_settings, _select_accelerator
 
     if any(v is not None for v in (args.coordinator, args.num_processes, args.process_id)):
         raise _BadArgs("--coordinator/--num-processes/--process-id: the gRPC server runs in one process "
@@ -137,6 +137,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     try:
         kwargs = _engine_settings(args)
         _check_model_arg(args)
+        if kwargs["accelerator"] != "auto":  # before listening: a missing backend is bad input, not a load failure
+            _select_accelerator(args)
     except CliError as e:
         raise _BadArgs(str(e)) from None
     return {**kwargs, "log_stats_interval": None}
