@@ -105,12 +105,9 @@ class LLMEngine:
                                   keep_logical_experts=engine_config.eplb_interval is not None)
         self.balancer = None
         if engine_config.eplb_interval is not None:
-            devices = 1 if mesh is None else mesh.size
-            self.balancer = ExpertBalancer(
-                config.num_hidden_layers, config.n_routed_experts,
-                engine_config.eplb_slots or config.n_routed_experts + devices, devices,
-                nodes=jax.process_count() if devices % jax.process_count() == 0 else 1,
-                interval=engine_config.eplb_interval)
+            self.balancer = ExpertBalancer.for_mesh(config.num_hidden_layers, config.n_routed_experts,
+                                                    engine_config.eplb_slots, mesh,
+                                                    interval=engine_config.eplb_interval)
             self.runner.apply_expert_layout(*self.balancer.initial(), self.balancer.max_replicas)
         self.scheduler = Scheduler(self.cache, prefill_chunk=engine_config.prefill_chunk,
                                    prefill_rows=engine_config.prefill_rows)
