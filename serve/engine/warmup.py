@@ -8,8 +8,10 @@ bucket waits for its compilation (tens of seconds for a real model), which looks
 `warm_up` runs each bucket once on dummy tokens instead, while the engine is idle.
 
 It leaves the engine as it found it: no request, slot or page is allocated (the dummy rows go
-through the runner directly, on free slots and pages, and the touched slots are reset after),
-the engine's counters, sampling key and the runner's expert-load statistics are unchanged.
+through the runner directly, on free slots and pages, and the touched slots are reset after; the
+free pages they wrote hold stale values, as any released page does, and are overwritten before
+they are read), the engine's counters, sampling key and the runner's expert-load statistics are
+unchanged.
 """
 
 from __future__ import annotations
@@ -78,29 +80,48 @@ def _powers_up_to(n: int) -> list[int]:
     return sorted({1 << (k - 1).bit_length() for k in range(1, n + 1)})
 
 
+def _chunk_ends(tokens: int, chunk: int, limit: int) -> list[tuple[int, int]]:
+    """Where a prefill chunk of token bucket `tokens` can end: chunks start at multiples of
+    `chunk` (the prefill chunk size) and hold (tokens/2, tokens] tokens (1..128 for the first
+    bucket), ending at or before `limit`. Intervals [first, last]."""
+    shortest, longest = (1 if tokens == 128 else tokens // 2 + 1), min(tokens, chunk)
+    return [(start + shortest, min(start + longest, limit)) for start in range(0, limit, chunk)
+            if start + shortest <= limit]
+
+
+def _ends_in(intervals: list[tuple[int, int]], low: int, high: int) -> bool:
+    """Some end of `intervals` in (low, high]."""
+    return any(first <= high and last > low for first, last in intervals)
+
+
 def step_shapes(engine) -> list[StepShape]:
     """Every bucket the engine's scheduler can produce, in the order `warm_up` compiles them.
 
-    A prefill chunk starts at a multiple of 128 and holds at most `prefill_chunk` tokens, so a
-    token bucket T > 128 needs a chunk of more than T/2 tokens ending at position > T/2; page
-    bucket P covers sequence ends in ((P/2) * page_size, P * page_size] (the last one up to the
-    context). Encoder-only chunks end at or below the replay floor, context - keep_tokens."""
+    A prefill step's token bucket is its longest chunk's, its page bucket its furthest-reaching
+    row's: page bucket P covers sequence ends in ((P/2) * page_size, P * page_size] (the last
+    one up to the context). Encoder-only chunks end at or below the replay floor, at most
+    context - keep_tokens. Shapes no request can produce are left out (`_chunk_ends`)."""
     layout, ec = engine.cache.layout, engine.engine_config
-    ps, max_len = layout.page_size, layout.max_len
+    ps, max_len, chunk = layout.page_size, layout.max_len, ec.prefill_chunk
     pages = _page_buckets(layout.max_pages_per_slot)
     low_end = {p: (0 if i == 0 else pages[i - 1] * ps) for i, p in enumerate(pages)}  # ends > this
-    tokens = _powers_up_to(ec.prefill_chunk // 128)
-    tokens = sorted({token_bucket(128 * t) for t in tokens} | {token_bucket(ec.prefill_chunk)})
+    tokens = sorted({token_bucket(n) for n in range(1, chunk + 1)})
     rows = _powers_up_to(min(ec.prefill_rows, layout.slots_per_rank))
     decoders = (False, True) if ec.prefill_mode == "compact" else (True,)
     shapes = []
     for decoder in decoders:
-        end_limit = max_len if decoder else max_len - ec.keep_tokens
+        limit = max_len if decoder else max_len - ec.keep_tokens
+        ends = {t: _chunk_ends(t, chunk, limit) for t in tokens}
         for r in rows:
             for t in tokens:
-                shortest_end = 1 if t == 128 else t // 2 + 1
                 for p in pages:
-                    if shortest_end <= min(p * ps, end_limit) and low_end[p] < end_limit:
+                    low, high = low_end[p], min(p * ps, limit)
+                    if r == 1:  # the one chunk ends in the page bucket
+                        fits = _ends_in(ends[t], low, high)
+                    else:  # the longest chunk ends there or before, a shorter or equal one in it
+                        fits = (any(first <= high for first, _ in ends[t])
+                                and any(_ends_in(ends[u], low, high) for u in tokens if u <= t))
+                    if fits:
                         shapes.append(StepShape("prefill", r, t, p, decoder))
     shapes += [StepShape("decode", layout.slots_per_rank, 1, p) for p in pages]
     batches = _powers_up_to(layout.num_slots)

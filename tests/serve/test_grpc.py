@@ -665,6 +665,7 @@ def test_duplicate_request_id_is_refused(server, stub):
 WARM_BUDGET = CacheBudget(num_slots=2, max_model_len=128, page_size=64)  # 2 page buckets: 7 shapes
 
 
+@pytest.mark.slow
 def test_warmup_compiles_before_serving(model):
     """SERVING (and warmup_complete) only once every shape is compiled; then a prompt that crosses
     a page bucket, greedy and sampled, compiles nothing."""

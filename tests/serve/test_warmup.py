@@ -126,6 +126,9 @@ def test_step_shapes_follow_the_layout(model):
     assert decode == [(4, 1), (4, 2), (4, 4), (4, 8), (4, 16)]
     prefill = {(s.rows, s.tokens, s.pages, s.decoder) for s in shapes if s.kind == "prefill"}
     assert (1, 256, 1, True) not in prefill  # a 129+ token chunk never ends in the first page
+    # chunks start at multiples of 256: one of at most 128 tokens ends in (0, 128] or past 256
+    assert not {(1, 128, 4, True), (2, 128, 4, True), (1, 128, 4, False)} & prefill
+    assert (2, 256, 4, True) in prefill and (1, 128, 8, True) in prefill
     assert (1, 256, 4, True) in prefill and (2, 128, 16, True) in prefill
     assert (1, 128, 16, False) in prefill  # ends in (512, 1024], below the floor 1023 - 140
     assert {s.rows for s in shapes if s.kind == "sample"} == {8}
