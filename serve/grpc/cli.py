@@ -188,6 +188,11 @@ async def _serve(args: argparse.Namespace, settings, loader) -> int:
         metrics_server, _ = start_http_server(args.metrics_port, addr=settings.host, registry=server.metrics_registry())
         print(f"deepinfer serve: Prometheus metrics on http://{settings.host}:{metrics_server.server_port}/metrics",
               flush=True)
+        from deepinfer.serve.grpc.tls import is_loopback
+
+        if not is_loopback(settings.host):
+            log.warning("the Prometheus metrics on %s:%d are plaintext HTTP without auth, reachable from other "
+                        "machines", settings.host, metrics_server.server_port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

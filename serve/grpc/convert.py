@@ -78,7 +78,7 @@ def max_token_bytes(tokenizer) -> int:
     and special tokens included; a byte-level fragment decodes to U+FFFD, which over-counts: safe).
 
     A text longer than `max_len * max_token_bytes(tokenizer)` bytes cannot fit `max_len` tokens,
-    so it is refused before tokenizing. Computed once per server (about a second)."""
+    so it is refused before tokenizing. Computed once per server (a fraction of a second)."""
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     texts = tokenizer.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
     return max(1, max(len(t.encode("utf-8")) for t in texts))
@@ -258,6 +258,11 @@ def chat_prompt(chat: pb.ChatInput, *, field: str, model_type: str, tokenizer) -
         raise InvalidArgument(field, str(e) or type(e).__name__) from None
 
 
+def _no_room(field: str, n: int, max_len: int) -> InvalidArgument:
+    return InvalidArgument(field, f"prompt of {n} tokens does not fit the context of {max_len} tokens "
+                                  f"(at most {max_len - 1} prompt tokens)")
+
+
 def _too_long(field: str, size: int, max_bytes: int, max_len: int, what: str) -> InvalidArgument:
     return InvalidArgument(field, f"{what} of {size} bytes cannot fit the context of {max_len} tokens "
                                   f"(at most {max_bytes} bytes: no token of the vocabulary covers more than "
@@ -300,8 +305,7 @@ def prompt_from_input(kind: str | None, value: Any, *, field_prefix: str = "", t
     if kind == "tokenized":
         field = f"{field}.input_ids"
         if len(value.input_ids) >= max_len:  # before copying millions of ids
-            raise InvalidArgument(field, f"prompt of {len(value.input_ids)} tokens does not fit the context of "
-                                         f"{max_len} tokens (at most {max_len - 1} prompt tokens)")
+            raise _no_room(field, len(value.input_ids), max_len)
         ids = [int(t) for t in value.input_ids]
         if not ids:
             raise InvalidArgument(field, "is empty")
@@ -327,8 +331,7 @@ def prompt_from_input(kind: str | None, value: Any, *, field_prefix: str = "", t
         raise InvalidArgument(f"{field_prefix}input", f"unsupported input kind {kind!r}")
     n = len(prepared.token_ids)
     if n >= max_len:
-        raise InvalidArgument(field, f"prompt of {n} tokens does not fit the context of {max_len} tokens "
-                                     f"(at most {max_len - 1} prompt tokens)")
+        raise _no_room(field, n, max_len)
     return prepared
 
 

@@ -560,6 +560,31 @@ def test_malformed_requests_get_invalid_argument_and_leave_a_good_stream_alone(s
     assert stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).active_requests == 0
 
 
+def test_a_text_that_cannot_fit_is_refused_before_tokenizing(model):
+    from deepinfer.serve.grpc import convert
+
+    config, _, tokenizer = model
+    per_token = convert.max_token_bytes(tokenizer)
+    assert per_token == 128  # the longest entry of the pinned DeepSeek vocabulary
+
+    class Untouchable:
+        def encode(self, *args, **kwargs):
+            raise AssertionError("the text was tokenized")
+
+    kw = dict(tokenizer=Untouchable(), config=config, max_len=512, max_token_bytes=per_token)
+    with pytest.raises(convert.InvalidArgument, match=r"^text: text of 4194305 bytes cannot fit the context of "
+                                                      r"512 tokens \(at most 65536 bytes"):
+        convert.prompt_from_input("text", "a" * (4 * 2 ** 20 + 1), **kw)
+    with pytest.raises(convert.InvalidArgument, match="^text: text of 65538 bytes"):  # 2-byte characters
+        convert.prompt_from_input("text", "é" * 32769, **kw)
+    huge_user = pb.ChatInput(messages_json=json.dumps([{"role": "user", "content": "x" * 70000}]))
+    with pytest.raises(convert.InvalidArgument, match="^chat.messages_json: the system and user messages of 70000"):
+        convert.prompt_from_input("chat", huge_user, **kw)
+    # at the bound the tokenizer decides (65536 bytes could be 512 tokens of 128 bytes)
+    with pytest.raises(convert.InvalidArgument, match="^text: prompt of .* tokens does not fit"):
+        convert.prompt_from_input("text", "a" * 65536, **{**kw, "tokenizer": tokenizer})
+
+
 _METHODS = {"Generate": True, "Abort": False, "HealthCheck": False, "GetModelInfo": False,
             "GetServerInfo": False, "Tokenize": False}  # name -> server streaming
 
