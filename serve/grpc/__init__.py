@@ -5,6 +5,7 @@
 * `server`: `GrpcServer` (asyncio), `ServerThread` (the same on a background event loop),
   `ServerSettings`;
 * `convert`: request validation and message building;
+* `tls`: the TLS files and the bind address checked before the server binds;
 * `cli`: `add_serve_parser` / `run_serve` behind `deepinfer serve`.
 
 Import the submodules directly; this package imports nothing heavy.

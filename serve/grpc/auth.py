@@ -32,14 +32,16 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str, open_prefixes: tuple[str, ...] = ()):
         if not token:
             raise ValueError("token: must not be empty")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
         self._open = open_prefixes
 
     def _authorized(self, metadata) -> bool:
+        """`authorization: <scheme> <token>`, the scheme `Bearer` in any case (RFC 7235 §2.1)."""
         for key, value in metadata or ():
             if key.lower() == "authorization":
                 given = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(given, self._expected)
+                scheme, _, token = given.strip().partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), self._expected)
         return False
 
     async def intercept_service(self, continuation, handler_call_details):

@@ -11,7 +11,7 @@ comes from `--auth-token-file` (never from argv); a caller that has the token fr
 sets `args.env` (its `EnvDefaults`), unset `--prefill-mode` / `--keep-tokens` fall back to it.
 
 The server listens before the model is loaded (health NOT_SERVING until the weights are loaded
-and the warm-up generation is done) and drains on SIGTERM / SIGINT: health NOT_SERVING, new
+and the warm-up compiled every step shape) and drains on SIGTERM / SIGINT: health NOT_SERVING, new
 streams refused, `--shutdown-grace` seconds for the ones in flight, then the rest are aborted.
 
 Exit codes: 0 after a clean shutdown, 1 when the model fails to load, 2 for bad arguments.
@@ -44,6 +44,8 @@ def add_serve_parser(subparsers, env=None) -> argparse.ArgumentParser:
                     "messages), grpc.health.v1 and server reflection. Binds 127.0.0.1 unless --host says otherwise.")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    net.add_argument("--allow-insecure-remote", action="store_true",
+                     help="allow a non-loopback --host without --tls-cert or --auth-token-file (refused otherwise)")
     net.add_argument("--port", type=int, default=50051, help="port (default 50051; 0 picks a free one)")
     net.add_argument("--max-concurrent-streams", type=int, default=256, metavar="N",
                      help="Generate calls in flight, server-wide; more get RESOURCE_EXHAUSTED (default 256)")
@@ -67,7 +69,8 @@ def add_serve_parser(subparsers, env=None) -> argparse.ArgumentParser:
     net.add_argument("--served-model-name", default=None, metavar="NAME",
                      help="model name reported by GetModelInfo (default: the model's)")
     net.add_argument("--no-warmup", action="store_true",
-                     help="report SERVING right after loading, without the warm-up generation")
+                     help="report SERVING right after loading, without compiling every step shape first "
+                          "(fast start; the first request of each new shape then waits for its compilation)")
     from deepinfer.serve.cli import EnvDefaults, _add_engine_options  # the engine options every command shares
 
     _add_engine_options(p.add_argument_group("engine"), env if env is not None else EnvDefaults())
@@ -112,6 +115,13 @@ def build_settings(args: argparse.Namespace):
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if path is not None and not os.path.isfile(path):
             raise _BadArgs(f"{flag}: {path!r} does not exist")
+    if args.tls_cert is not None:
+        from deepinfer.serve.grpc.tls import TlsFileError, check_tls_files
+
+        try:
+            check_tls_files(args.tls_cert, args.tls_key, cert_label="--tls-cert", key_label="--tls-key")
+        except TlsFileError as e:
+            raise _BadArgs(str(e)) from None
     token = getattr(args, "auth_token", None)
     if args.auth_token_file is not None:
         if token is not None:
@@ -124,7 +134,8 @@ def build_settings(args: argparse.Namespace):
         max_concurrent_streams=args.max_concurrent_streams, max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=token, auth_health=args.auth_health, shutdown_grace_s=args.shutdown_grace,
-        warmup=not args.no_warmup, served_model_name=args.served_model_name)
+        warmup=not args.no_warmup, served_model_name=args.served_model_name,
+        allow_insecure_remote=args.allow_insecure_remote)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -171,9 +182,7 @@ async def _serve(args: argparse.Namespace, settings, loader) -> int:
     except (OSError, RuntimeError) as e:
         print(f"deepinfer serve: error: cannot listen on {settings.host}:{settings.port}: {e}", file=sys.stderr)
         return 2
-    scheme = "TLS" if settings.tls_cert else "plaintext"
-    print(f"deepinfer serve: listening on {settings.host}:{port} ({scheme}"
-          f"{', bearer token required' if settings.auth_token else ''}); loading the model...", flush=True)
+    print(f"deepinfer serve: listening on {settings.exposure(port)}; loading the model...", flush=True)
     metrics_server = None
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -181,6 +190,11 @@ async def _serve(args: argparse.Namespace, settings, loader) -> int:
         metrics_server, _ = start_http_server(args.metrics_port, addr=settings.host, registry=server.metrics_registry())
         print(f"deepinfer serve: Prometheus metrics on http://{settings.host}:{metrics_server.server_port}/metrics",
               flush=True)
+        from deepinfer.serve.grpc.tls import is_loopback
+
+        if not is_loopback(settings.host):
+            log.warning("the Prometheus metrics on %s:%d are plaintext HTTP without auth, reachable from other "
+                        "machines", settings.host, metrics_server.server_port)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

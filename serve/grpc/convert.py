@@ -28,17 +28,23 @@ from deepinfer.serve.grpc import deepinfer_engine_pb2 as pb
 
 __all__ = [
     "InvalidArgument",
+    "MAX_JSON_DEPTH",
     "MAX_LOGPROBS",
+    "MAX_REQUEST_ID_BYTES",
     "PreparedPrompt",
+    "check_request_id",
     "chunk_message",
     "complete_message",
     "logprobs_message",
+    "max_token_bytes",
     "prompt_from_input",
     "reasoning_token_count",
     "sampling_params_from_proto",
 ]
 
 MAX_LOGPROBS = 20  # the engine's limit on alternatives per token
+MAX_REQUEST_ID_BYTES = 256  # a request id is echoed in every stream message: keep it short
+MAX_JSON_DEPTH = 64  # nesting of chat messages / tools JSON (a tool schema needs a few levels)
 
 # engine (vLLM) name -> proto field name, where they differ
 _PROTO_NAMES = {
@@ -55,6 +61,27 @@ class InvalidArgument(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+def check_request_id(request_id: str, field: str = "request_id") -> None:
+    """A client's request id: at most `MAX_REQUEST_ID_BYTES` bytes of printable text (it is echoed
+    in every stream message and in logs)."""
+    size = len(request_id.encode("utf-8"))
+    if size > MAX_REQUEST_ID_BYTES:
+        raise InvalidArgument(field, f"must be at most {MAX_REQUEST_ID_BYTES} bytes, got {size}")
+    if not request_id.isprintable():
+        raise InvalidArgument(field, "must be printable text (no control characters or line breaks)")
+
+
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes of input text one token of `tokenizer`'s vocabulary can stand for (added
+    and special tokens included; a byte-level fragment decodes to U+FFFD, which over-counts: safe).
+
+    A text longer than `max_len * max_token_bytes(tokenizer)` bytes cannot fit `max_len` tokens,
+    so it is refused before tokenizing. Computed once per server (a fraction of a second)."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    texts = tokenizer.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    return max(1, max(len(t.encode("utf-8")) for t in texts))
 
 
 def _f32(value: float) -> float:
@@ -176,6 +203,17 @@ _THINKING = {
 }
 
 
+def _json_depth(value: Any) -> int:
+    """Nesting depth of parsed JSON (iterative: no recursion on hostile input)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (list, dict)):
+            deepest = max(deepest, depth)
+            todo.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def _json_list(text: str, field: str, *, required: bool) -> list | None:
     if not text.strip():
         if required:
@@ -185,6 +223,11 @@ def _json_list(text: str, field: str, *, required: bool) -> list | None:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidArgument(field, f"is not valid JSON: {e}") from None
+    except RecursionError:  # the C parser gives up on ~1000 levels before any other check
+        raise InvalidArgument(field, f"JSON is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    depth = _json_depth(value)
+    if depth > MAX_JSON_DEPTH:
+        raise InvalidArgument(field, f"JSON is nested {depth} levels deep, at most {MAX_JSON_DEPTH} are allowed")
     if not isinstance(value, list):
         raise InvalidArgument(field, f"must be a JSON array, got {type(value).__name__}")
     if required and not value:
@@ -209,23 +252,60 @@ def chat_prompt(chat: pb.ChatInput, *, field: str, model_type: str, tokenizer) -
     try:
         return prepare_chat(messages, model_type=model_type, tokenizer=tokenizer, thinking=thinking,
                             reasoning_effort=effort, tools=tools)
+    except RecursionError:
+        raise InvalidArgument(field, "the messages are nested too deeply to render") from None
     except (ChatEncodingError, ValueError, TypeError, KeyError) as e:
         raise InvalidArgument(field, str(e) or type(e).__name__) from None
 
 
+def _no_room(field: str, n: int, max_len: int) -> InvalidArgument:
+    return InvalidArgument(field, f"prompt of {n} tokens does not fit the context of {max_len} tokens "
+                                  f"(at most {max_len - 1} prompt tokens)")
+
+
+def _too_long(field: str, size: int, max_bytes: int, max_len: int, what: str) -> InvalidArgument:
+    return InvalidArgument(field, f"{what} of {size} bytes cannot fit the context of {max_len} tokens "
+                                  f"(at most {max_bytes} bytes: no token of the vocabulary covers more than "
+                                  f"{max_bytes // max_len} bytes)")
+
+
+def _check_chat_size(chat: pb.ChatInput, field: str, max_bytes: int, max_len: int) -> None:
+    """Refuse, before rendering, a chat whose system/user text alone cannot fit (the encoding may
+    trim the ends of a message, never drops its middle)."""
+    if 4 * len(chat.messages_json) <= max_bytes:  # a character is at most 4 UTF-8 bytes: it fits
+        return
+    messages = _json_list(chat.messages_json, field, required=True)
+    size = 0
+    for message in messages:
+        if message.get("role") not in ("system", "user"):
+            continue
+        content = message.get("content")
+        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        for part in parts:
+            text = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
+            if isinstance(text, str):
+                size += len(text.strip().encode("utf-8"))
+    if size > max_bytes:
+        raise _too_long(field, size, max_bytes, max_len, "the system and user messages")
+
+
 def prompt_from_input(kind: str | None, value: Any, *, field_prefix: str = "", tokenizer, config,
-                      max_len: int) -> PreparedPrompt:
+                      max_len: int, max_token_bytes: int | None = None) -> PreparedPrompt:
     """Prompt ids for one `input` oneof member (`kind` = tokenized | text | chat | None).
 
     Checks: not empty, ids inside the vocabulary, shorter than the context (`max_len` tokens, and
-    at least one token must be left to generate).
+    at least one token must be left to generate). With `max_token_bytes` (see `max_token_bytes()`)
+    a text that cannot fit is refused by its byte length, before it is tokenized.
     """
     if kind is None:
         raise InvalidArgument(f"{field_prefix}input", "one of tokenized, text or chat is required")
     field = f"{field_prefix}{kind}"
     vocab = config.vocab_size
+    max_bytes = None if max_token_bytes is None else max_len * max_token_bytes
     if kind == "tokenized":
         field = f"{field}.input_ids"
+        if len(value.input_ids) >= max_len:  # before copying millions of ids
+            raise _no_room(field, len(value.input_ids), max_len)
         ids = [int(t) for t in value.input_ids]
         if not ids:
             raise InvalidArgument(field, "is empty")
@@ -236,17 +316,22 @@ def prompt_from_input(kind: str | None, value: Any, *, field_prefix: str = "", t
     elif kind == "text":
         if not value:
             raise InvalidArgument(field, "is empty")
+        if max_bytes is not None and len(value) > max_bytes // 4:  # 4 = the most UTF-8 bytes of a character
+            size = len(value.encode("utf-8", "surrogatepass"))
+            if size > max_bytes:
+                raise _too_long(field, size, max_bytes, max_len, "text")
         ids = [config.bos_token_id, *tokenizer.encode(value, add_special_tokens=False).ids]
         prepared = PreparedPrompt(ids, value, field)
     elif kind == "chat":
+        if max_bytes is not None:
+            _check_chat_size(value, f"{field}.messages_json", max_bytes, max_len)
         prompt = chat_prompt(value, field=field, model_type=config.model_type, tokenizer=tokenizer)
         prepared = PreparedPrompt(list(prompt.token_ids), prompt.prompt, field, prompt)
     else:  # a newer client's input kind
         raise InvalidArgument(f"{field_prefix}input", f"unsupported input kind {kind!r}")
     n = len(prepared.token_ids)
     if n >= max_len:
-        raise InvalidArgument(field, f"prompt of {n} tokens does not fit the context of {max_len} tokens "
-                                     f"(at most {max_len - 1} prompt tokens)")
+        raise _no_room(field, n, max_len)
     return prepared
 
 

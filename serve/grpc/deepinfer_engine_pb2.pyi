@@ -304,7 +304,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("server_args", "scheduler_info", "active_requests", "is_paused", "last_receive_timestamp", "uptime_seconds", "version", "server_type", "start_time", "running_requests", "waiting_requests", "free_pages", "total_pages", "free_slots", "total_slots", "serving_status")
+    __slots__ = ("server_args", "scheduler_info", "active_requests", "is_paused", "last_receive_timestamp", "uptime_seconds", "version", "server_type", "start_time", "running_requests", "waiting_requests", "free_pages", "total_pages", "free_slots", "total_slots", "serving_status", "warmup_complete", "warmup_shapes_done", "warmup_shapes_total")
     SERVER_ARGS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_INFO_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +321,9 @@ class GetServerInfoResponse(_message.Message):
     FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     SERVING_STATUS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SHAPES_DONE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_SHAPES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     server_args: _struct_pb2.Struct
     scheduler_info: _struct_pb2.Struct
     active_requests: int
@@ -337,7 +340,10 @@ class GetServerInfoResponse(_message.Message):
     free_slots: int
     total_slots: int
     serving_status: str
-    def __init__(self, server_args: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., scheduler_info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., active_requests: _Optional[int] = ..., is_paused: _Optional[bool] = ..., last_receive_timestamp: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., server_type: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., serving_status: _Optional[str] = ...) -> None: ...
+    warmup_complete: bool
+    warmup_shapes_done: int
+    warmup_shapes_total: int
+    def __init__(self, server_args: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., scheduler_info: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., active_requests: _Optional[int] = ..., is_paused: _Optional[bool] = ..., last_receive_timestamp: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., server_type: _Optional[str] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., free_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., serving_status: _Optional[str] = ..., warmup_complete: _Optional[bool] = ..., warmup_shapes_done: _Optional[int] = ..., warmup_shapes_total: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat")

@@ -1,9 +1,10 @@
 """The engine thread of the gRPC server: the only code that touches the `LLMEngine`.
 
-It loads the model (when given a loader), runs a warm-up generation that compiles the common
-shapes, then loops: apply the queued commands (add, abort, call), run `engine.step()` while there
-is work, and post what each request gained to its stream's asyncio queue (thread-safely), then the
-final `RequestOutput`. Handlers on the event loop only talk to it through `submit`/`abort`/`call`.
+It loads the model (when given a loader), compiles every step shape a request can need
+(`deepinfer.serve.engine.warmup`; optional), then loops: apply the queued commands (add, abort,
+call), run `engine.step()` while there is work, and post what each request gained to its
+stream's asyncio queue (thread-safely), then the final `RequestOutput`. Handlers on the event
+loop only talk to it through `submit`/`abort`/`call`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from deepinfer.serve.api.types import RequestOutput, SamplingParams
 from deepinfer.serve.engine.cache import AdmissionError
+from deepinfer.serve.engine.warmup import step_shapes, warm_up
 from deepinfer.serve.grpc import convert
 from deepinfer.serve.grpc.metrics import ServerMetrics
 
@@ -91,6 +92,9 @@ class EngineDriver:
         self._thread = threading.Thread(target=self._main, name="deepinfer-engine", daemon=True)
         self.model: LoadedModel | None = None
         self.warmup_seconds: float | None = None
+        self.warmup_done = 0  # shapes compiled so far
+        self.warmup_total = 0  # shapes to compile (known once the warm-up starts)
+        self.max_token_bytes: int | None = None  # see convert.max_token_bytes
         self.step_failures = 0
 
     @property
@@ -129,11 +133,13 @@ class EngineDriver:
             if callable(source) and not isinstance(source, LoadedModel) and not hasattr(source, "step"):
                 source = source()
             self.model = _as_loaded(source)
+            self.max_token_bytes = self._max_token_bytes()
             if self._warmup_enabled:
                 t0 = time.perf_counter()
-                self._warmup()
+                self.warmup_total = len(step_shapes(self.engine))
+                warm_up(self.engine, progress=self._warmup_progress)
                 self.warmup_seconds = time.perf_counter() - t0
-                log.info("warm-up generation done in %.2f s", self.warmup_seconds)
+                log.info("warm-up done: %d step shapes compiled in %.1f s", self.warmup_done, self.warmup_seconds)
         except BaseException as e:  # noqa: BLE001 - reported to the server, which stays NOT_SERVING
             log.exception("model load / warm-up failed")
             self._on_failed(e)
@@ -142,26 +148,17 @@ class EngineDriver:
         self._on_ready()
         self._loop()
 
-    def _warmup(self) -> None:
-        """Greedy, temperature and top-p/top-k sampling over a short prompt: compiles the first
-        prefill bucket, the decode step of all slots and the three common sampler variants before
-        SERVING is reported."""
-        engine = self.engine
-        config = engine.config
-        prompt = [config.bos_token_id] + [1000 + 37 * i for i in range(15)]
-        for i, params in enumerate((SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-                                    SamplingParams(max_tokens=2, temperature=1.0, seed=0, ignore_eos=True),
-                                    SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=40,
-                                                   seed=0, ignore_eos=True))):
-            rid = f"__warmup-{uuid.uuid4().hex}-{i}"
-            engine.add_request(rid, prompt, params)
-            steps = 0
-            while engine.has_unfinished():
-                engine.step()
-                steps += 1
-                if steps > 100:
-                    engine.abort(rid)
-                    raise RuntimeError("warm-up generation did not finish in 100 steps")
+    def _warmup_progress(self, i: int, n: int, shape, seconds: float) -> None:
+        self.warmup_done, self.warmup_total = i, n
+        log.info("warm-up %d/%d: %s compiled in %.1f s", i, n, shape, seconds)
+
+    def _max_token_bytes(self) -> int | None:
+        try:
+            return convert.max_token_bytes(self.engine.tokenizer)
+        except Exception as e:  # noqa: BLE001 - a tokenizer without decode_batch: no early length check
+            log.warning("cannot bound the bytes per token of the tokenizer (%s: %s): long texts are only "
+                        "refused after tokenizing", type(e).__name__, e)
+            return None
 
     def _reject_until_stopped(self, message: str) -> None:
         while True:

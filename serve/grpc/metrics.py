@@ -124,9 +124,12 @@ class ServerMetrics:
                              "p50": percentile(h.recent, 50), "p99": percentile(h.recent, 99)}
         return out
 
-    def registry(self, gauges: Callable[[], dict[str, float]], model_name: str):
+    def registry(self, gauges: Callable[[], dict[str, float]], model_name: str | Callable[[], str]):
         """A `prometheus_client.CollectorRegistry` exposing these metrics at every scrape
-        (vLLM's names and labels; see `deepinfer.serve.api.prometheus`)."""
+        (vLLM's names and labels; see `deepinfer.serve.api.prometheus`). A callable `model_name`
+        is asked at every scrape (the served model is only known once it is loaded)."""
+        from prometheus_client import CollectorRegistry
+
         from deepinfer.serve.api.prometheus import MetricValues, metrics_registry
 
         def scrape() -> MetricValues:
@@ -139,4 +142,11 @@ class ServerMetrics:
                     histograms={name: (doc, bounds, list(self._hist[name].counts), self._hist[name].total)
                                 for name, (doc, bounds) in HISTOGRAMS.items()})
 
-        return metrics_registry(scrape, model_name)
+        class _Labelled:
+            def collect(self):
+                name = model_name() if callable(model_name) else model_name
+                yield from metrics_registry(scrape, name).collect()
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Labelled())
+        return registry

@@ -3,9 +3,9 @@
 Threads and ownership:
 
 * The engine lives in one background thread (`EngineDriver`). It loads the model (when given a
-  loader), runs a warm-up generation that compiles the common shapes, then loops: apply the
-  queued commands (add, abort, call), run `engine.step()` while there is work, and publish what
-  each request gained. Nothing else touches the engine's mutable state.
+  loader), compiles every step shape a request can need (unless `warmup=False`), then loops:
+  apply the queued commands (add, abort, call), run `engine.step()` while there is work, and
+  publish what each request gained. Nothing else touches the engine's mutable state.
 * The asyncio event loop runs the RPC handlers. A Generate call validates and tokenizes its input,
   hands the request to the driver and then reads its own `asyncio.Queue`, into which the driver
   posts (thread-safely) the token/text deltas of the live `Request` after every step, and finally
@@ -14,8 +14,10 @@ Threads and ownership:
   which the driver applies before the next step, so the slot and pages are free at once.
 
 Health (`grpc.health.v1`, for "" and the service name): NOT_SERVING until the weights are loaded
-and the warm-up generation finished, SERVING after, NOT_SERVING again from the moment a drain
-starts. Server reflection lists the engine, health and reflection services.
+and the warm-up compiled every step shape (GetServerInfo shows its progress), SERVING after,
+NOT_SERVING again from the moment a drain starts. A non-loopback address needs TLS or a token
+(or `allow_insecure_remote`); the start-up log says what is exposed. Server reflection lists the
+engine, health and reflection services.
 
 Limits (`ServerSettings`): message size (both directions), Generate streams in flight
 (`max_concurrent_streams`) and requests queued beyond the cache slots (`max_queue`); over either
@@ -48,6 +50,7 @@ from deepinfer.serve.grpc import deepinfer_engine_pb2 as pb
 from deepinfer.serve.grpc.auth import BearerTokenInterceptor
 from deepinfer.serve.grpc.engine_driver import EngineDriver, LoadedModel, ModelSource, _Stream
 from deepinfer.serve.grpc.metrics import ServerMetrics
+from deepinfer.serve.grpc.tls import check_tls_files, is_loopback
 
 __all__ = [
     "BearerTokenInterceptor",
@@ -85,8 +88,10 @@ class ServerSettings:
     auth_token: bearer token required in the `authorization` metadata of every RPC (None: off);
         `auth_health` also requires it for the health service (default: health stays open).
     shutdown_grace_s: how long a drain waits for in-flight streams before aborting them.
-    warmup: run the warm-up generation before reporting SERVING.
-    served_model_name: the name GetModelInfo reports (default: the model's).
+    warmup: compile every step shape the server can be asked for before reporting SERVING.
+    served_model_name: the name GetModelInfo and the metrics report (default: the model's).
+    allow_insecure_remote: allow a non-loopback `host` with neither TLS nor a token (refused
+        otherwise: anyone who reaches the port could use the engine and read the traffic).
     """
 
     host: str = "127.0.0.1"
@@ -102,6 +107,7 @@ class ServerSettings:
     shutdown_grace_s: float = 30.0
     warmup: bool = True
     served_model_name: str | None = None
+    allow_insecure_remote: bool = False
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -119,6 +125,17 @@ class ServerSettings:
             raise ValueError("auth_token: must not be empty")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s: must be non-negative, got {self.shutdown_grace_s}")
+        if not (is_loopback(self.host) or self.tls_cert or self.auth_token or self.allow_insecure_remote):
+            raise ValueError(f"host: {self.host!r} is not a loopback address and the server has neither TLS nor "
+                             "an auth token: anyone who reaches it could use the engine and read the traffic; "
+                             "add TLS and/or a token, or allow_insecure_remote (--allow-insecure-remote)")
+
+    def exposure(self, port: int | None = None) -> str:
+        """What a client reaching the port gets: address, TLS and auth, for the start-up log."""
+        scope = "loopback only" if is_loopback(self.host) else "reachable from other machines"
+        auth = ("on" + ("" if self.auth_health else " (health service open)")) if self.auth_token else "off"
+        tls = "on" if self.tls_cert else "off"
+        return f"{self.host}:{self.port if port is None else port} ({scope}), TLS {tls}, bearer-token auth {auth}"
 
     def public_dict(self) -> dict[str, Any]:
         """The settings without secrets (for GetServerInfo)."""
@@ -167,7 +184,7 @@ class GrpcServer:
 
         server = GrpcServer(engine_or_loader, ServerSettings(port=0))
         port = await server.start()        # listening; health NOT_SERVING while loading
-        await server.wait_ready()          # SERVING after the warm-up generation
+        await server.wait_ready()          # SERVING after the warm-up
         ...
         await server.shutdown(grace=10)    # drain, then stop
     """
@@ -241,6 +258,7 @@ class GrpcServer:
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{s.host}:{s.port}" if ":" not in s.host else f"[{s.host}]:{s.port}"
         if s.tls_cert:
+            check_tls_files(s.tls_cert, s.tls_key)  # grpc would only say "Failed to bind"
             with open(s.tls_key, "rb") as f:
                 key = f.read()
             with open(s.tls_cert, "rb") as f:
@@ -258,7 +276,11 @@ class GrpcServer:
             on_ready=lambda: asyncio.run_coroutine_threadsafe(self._became_ready(), loop),
             on_failed=lambda e: asyncio.run_coroutine_threadsafe(self._engine_failed(e), loop))
         self._driver.start()
-        log.info("gRPC server listening on %s (%s)", f"{s.host}:{port}", "TLS" if s.tls_cert else "plaintext")
+        exposed = s.exposure(port)
+        if is_loopback(s.host) or (s.tls_cert and s.auth_token):
+            log.info("gRPC server listening on %s", exposed)
+        else:
+            log.warning("gRPC server listening on %s", exposed)
         return port
 
     async def _became_ready(self) -> None:
@@ -339,7 +361,7 @@ class GrpcServer:
 
     def metrics_registry(self):
         """A prometheus_client registry with this server's metrics (for `start_http_server`)."""
-        return self.metrics.registry(self.gauges, self._model_name())
+        return self.metrics.registry(self.gauges, self._model_name)
 
     def _model_name(self) -> str:
         model = self._driver.model if self._driver is not None else None
@@ -378,11 +400,18 @@ class GrpcServer:
     async def _prepare_prompt(self, kind, value, context, field_prefix: str = "") -> convert.PreparedPrompt:
         engine = self.engine
         kwargs = dict(field_prefix=field_prefix, tokenizer=engine.tokenizer, config=engine.config,
-                      max_len=engine.cache.layout.max_len)
+                      max_len=engine.cache.layout.max_len, max_token_bytes=self._driver.max_token_bytes)
         try:
             if kind in ("text", "chat"):  # tokenizing / rendering: keep it off the event loop
                 return await asyncio.to_thread(convert.prompt_from_input, kind, value, **kwargs)
             return convert.prompt_from_input(kind, value, **kwargs)
+        except convert.InvalidArgument as e:
+            self.metrics.rejected()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def _check_request_id(self, request_id: str, context) -> None:
+        try:
+            convert.check_request_id(request_id)
         except convert.InvalidArgument as e:
             self.metrics.rejected()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -403,6 +432,7 @@ class GrpcServer:
         await self._require_model(context)
         await self._check_capacity(context)
         engine = self.engine
+        await self._check_request_id(request.request_id, context)
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
         for name in ("token_ids_logprob", "lora_id"):
             if getattr(request, name):
@@ -477,6 +507,7 @@ class GrpcServer:
 
     async def Abort(self, request, context):
         await self._check_parsed(request, context)
+        await self._check_request_id(request.request_id, context)
         if request.request_id not in self._active:
             return pb.AbortResponse(success=False, message=f"no request {request.request_id!r} in flight")
         self._driver.abort(request.request_id)
@@ -507,7 +538,7 @@ class GrpcServer:
         await self._check_parsed(request, context)
         from deepinfer import __version__
 
-        engine = self.engine
+        engine, driver = self.engine, self._driver
         args: dict[str, Any] = {"server": self.settings.public_dict()}
         info: dict[str, Any] = {}
         running = waiting = free_pages = total_pages = free_slots = total_slots = 0
@@ -533,7 +564,10 @@ class GrpcServer:
             is_paused=self.state != READY, last_receive_timestamp=self._last_receive,
             uptime_seconds=time.monotonic() - self._started, version=__version__, server_type="grpc",
             running_requests=running, waiting_requests=waiting, free_pages=free_pages, total_pages=total_pages,
-            free_slots=free_slots, total_slots=total_slots, serving_status=self.state)
+            free_slots=free_slots, total_slots=total_slots, serving_status=self.state,
+            warmup_complete=driver is not None and driver.warmup_seconds is not None,
+            warmup_shapes_done=driver.warmup_done if driver else 0,
+            warmup_shapes_total=driver.warmup_total if driver else 0)
         response.start_time.FromSeconds(int(self._started_wall))
         return response
 

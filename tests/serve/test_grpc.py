@@ -51,7 +51,7 @@ def make_engine(model) -> LLMEngine:
 @pytest.fixture(scope="module")
 def server(model):
     srv = ServerThread(lambda: LoadedModel(make_engine(model), model_name="tiny-v4.1-test"),
-                       ServerSettings(port=0, shutdown_grace_s=1.0))
+                       ServerSettings(port=0, shutdown_grace_s=1.0, warmup=False))
     srv.start()
     assert srv.wait_ready(300), srv.server.load_error
     yield srv
@@ -389,7 +389,7 @@ def test_failure_mid_stream_is_reported_in_band(server, stub):
 
 
 def test_an_engine_that_keeps_failing_goes_not_serving(model):
-    with ServerThread(lambda: make_engine(model), ServerSettings(port=0)) as srv:
+    with ServerThread(lambda: make_engine(model), ServerSettings(port=0, warmup=False)) as srv:
         assert srv.wait_ready(300)
         engine = srv.server.engine
 
@@ -447,6 +447,17 @@ def _bad_cases(vocab: int):
             req.return_logprob, req.top_logprobs_num = True, n
         return mutate
 
+    def tools(value):
+        def mutate(req):
+            req.chat.messages_json = '[{"role": "user", "content": "hi"}]'
+            req.chat.tools_json = value
+        return mutate
+
+    def rid(value):
+        def mutate(req):
+            req.request_id = value
+        return mutate
+
     return [
         ("negative max_new_tokens", sp(max_new_tokens=-1), "sampling_params.max_new_tokens"),
         ("zero max_new_tokens", sp(max_new_tokens=0), "sampling_params.max_new_tokens"),
@@ -478,6 +489,14 @@ def _bad_cases(vocab: int):
         ("chat not JSON", set_input("chat", "[{"), "chat.messages_json"),
         ("chat not a list", set_input("chat", '{"role": "user"}'), "chat.messages_json"),
         ("chat bad role", set_input("chat", '[{"role": "wizard", "content": "x"}]'), "chat"),
+        ("chat nested 2000 deep", set_input("chat", "[" * 2000 + "]" * 2000), "chat.messages_json"),
+        ("chat unclosed nesting", set_input("chat", "[" * 2000), "chat.messages_json"),
+        ("chat nested past the limit", set_input("chat", '[{"role": "user", "content": "x", "a": '
+                                                 + "[" * 70 + "]" * 70 + "}]"), "chat.messages_json"),
+        ("tools nested 2000 deep", tools('[{"a": ' * 1000 + "1" + "}]" * 1000), "chat.tools_json"),
+        ("text over the byte bound", set_input("text", "a" * (512 * 128 + 1)), "text"),
+        ("request_id over 256 bytes", rid("r" * 257), "request_id"),
+        ("request_id with a line break", rid("a\nb"), "request_id"),
     ]
 
 
@@ -541,6 +560,121 @@ def test_malformed_requests_get_invalid_argument_and_leave_a_good_stream_alone(s
     assert stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30).active_requests == 0
 
 
+def test_a_text_that_cannot_fit_is_refused_before_tokenizing(model):
+    from deepinfer.serve.grpc import convert
+
+    config, _, tokenizer = model
+    per_token = convert.max_token_bytes(tokenizer)
+    assert per_token == 128  # the longest entry of the pinned DeepSeek vocabulary
+
+    class Untouchable:
+        def encode(self, *args, **kwargs):
+            raise AssertionError("the text was tokenized")
+
+    kw = dict(tokenizer=Untouchable(), config=config, max_len=512, max_token_bytes=per_token)
+    with pytest.raises(convert.InvalidArgument, match=r"^text: text of 4194305 bytes cannot fit the context of "
+                                                      r"512 tokens \(at most 65536 bytes"):
+        convert.prompt_from_input("text", "a" * (4 * 2 ** 20 + 1), **kw)
+    with pytest.raises(convert.InvalidArgument, match="^text: text of 65538 bytes"):  # 2-byte characters
+        convert.prompt_from_input("text", "é" * 32769, **kw)
+    huge_user = pb.ChatInput(messages_json=json.dumps([{"role": "user", "content": "x" * 70000}]))
+    with pytest.raises(convert.InvalidArgument, match="^chat.messages_json: the system and user messages of 70000"):
+        convert.prompt_from_input("chat", huge_user, **kw)
+    # at the bound the tokenizer decides (65536 bytes could be 512 tokens of 128 bytes)
+    with pytest.raises(convert.InvalidArgument, match="^text: prompt of .* tokens does not fit"):
+        convert.prompt_from_input("text", "a" * 65536, **{**kw, "tokenizer": tokenizer})
+
+
+_METHODS = {"Generate": True, "Abort": False, "HealthCheck": False, "GetModelInfo": False,
+            "GetServerInfo": False, "Tokenize": False}  # name -> server streaming
+
+
+def _fuzz_cases(rng: random.Random, vocab: int):
+    """(label, method, request bytes, expected field or None for "any clean status")."""
+    cases = []
+    for i in range(150):  # raw bytes: grpc/protobuf parse errors or requests that happen to parse
+        data = rng.randbytes(rng.choice([0, 1, 2, 3, 8, 32, 200]))
+        cases.append((f"raw bytes {i}", rng.choice(list(_METHODS)), data, None))
+    bad = _bad_cases(vocab)
+    for i in range(100):  # wrong types / values in one to three fields of a Generate request
+        picked = rng.sample(bad, rng.randint(1, 3))
+        req = _good_base(prompt_ids(8, 7))
+        for _, mutate, _ in picked:
+            mutate(req)
+        cases.append((" + ".join(p[0] for p in picked), "Generate", req.SerializeToString(), {p[2] for p in picked}))
+    huge_rid = "x" * (1 << 20)
+    deep = "[" * 2000
+    for label, method, msg, field in (
+            ("1 MB request_id", "Generate", request(prompt_ids(8, 1), rid=huge_rid, max_new_tokens=2), "request_id"),
+            ("1 MB request_id abort", "Abort", pb.AbortRequest(request_id=huge_rid), "request_id"),
+            ("control request_id abort", "Abort", pb.AbortRequest(request_id="a\x00b"), "request_id"),
+            ("4 MB text", "Generate", request(text="ab " * ((4 << 20) // 3), max_new_tokens=2), "text"),
+            ("4 MB text tokenize", "Tokenize", pb.TokenizeRequest(text="é" * (2 << 20)), "text"),
+            ("deep chat tokenize", "Tokenize", pb.TokenizeRequest(chat=pb.ChatInput(messages_json=deep)),
+             "chat.messages_json"),
+            ("deep tools tokenize", "Tokenize", pb.TokenizeRequest(chat=pb.ChatInput(
+                messages_json='[{"role": "user", "content": "x"}]', tools_json=deep)), "chat.tools_json"),
+            ("no tokenize input", "Tokenize", pb.TokenizeRequest(), "input"),
+            ("bad thinking mode", "Tokenize", pb.TokenizeRequest(chat=pb.ChatInput(
+                messages_json='[{"role": "user", "content": "x"}]', thinking_mode=7)), "chat.thinking_mode")):
+        cases.append((label, method, msg.SerializeToString(), {field}))
+    rng.shuffle(cases)
+    return cases
+
+
+def test_fuzzed_requests_get_clean_statuses_and_the_server_keeps_serving(server, stub, channel, reference, model):
+    """A few hundred seeded bad requests to every method, while a good stream is in flight: each
+    gets OK or INVALID_ARGUMENT naming a field, quickly; the good stream is unharmed."""
+    good_ids = prompt_ids(16, 9)
+    expected = reference(good_ids, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)).outputs[0]
+    result = {}
+
+    def good_stream():
+        result["out"] = collect(stub, request(good_ids, temperature=0.0, max_new_tokens=40, ignore_eos=True))
+        result["done_at"] = time.monotonic()
+
+    calls = {name: (channel.unary_stream if streaming else channel.unary_unary)(
+        f"/{SERVICE_NAME}/{name}", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        for name, streaming in _METHODS.items()}
+    cases = _fuzz_cases(random.Random(1234), model[0].vocab_size)
+    assert len(cases) > 250
+    codes = {}
+    with slow_steps(server, 0.02):
+        worker = threading.Thread(target=good_stream)
+        worker.start()
+        time.sleep(0.3)
+        for label, method, data, fields in cases:
+            started = time.monotonic()
+            try:
+                reply = calls[method](data, timeout=60)
+                if _METHODS[method]:
+                    list(reply)
+                code, details = grpc.StatusCode.OK, ""
+            except grpc.RpcError as e:
+                code, details = e.code(), e.details() or ""
+            codes[code] = codes.get(code, 0) + 1
+            assert time.monotonic() - started < 10 or code == grpc.StatusCode.OK, (label, "slow rejection")
+            if fields is None:  # raw bytes: parsed and answered, or refused as unparsable / invalid
+                assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), (label, code, details)
+                if code != grpc.StatusCode.OK:
+                    assert details.split(":")[0].replace("_", "").replace(".", "").isalnum(), (label, details)
+            else:
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (label, code, details[:200])
+                assert details.split(":")[0] in fields, (label, details[:200])
+                assert len(details) < 2000, (label, "the details echo the input")
+        sent_until = time.monotonic()
+        worker.join(120)
+    assert codes[grpc.StatusCode.INVALID_ARGUMENT] > 200 and set(codes) <= {grpc.StatusCode.OK,
+                                                                             grpc.StatusCode.INVALID_ARGUMENT}
+    assert result["done_at"] > sent_until, "the bad requests must overlap the good stream"
+    chunks, complete, error = result["out"]
+    assert error is None and list(complete.output_ids) == expected.token_ids
+    wait_released(server)
+    assert health_status(channel) == health_pb2.HealthCheckResponse.SERVING
+    _, complete, error = collect(stub, request(prompt_ids(8, 2), temperature=0.0, max_new_tokens=2))
+    assert error is None and complete.completion_tokens == 2
+
+
 def test_duplicate_request_id_is_refused(server, stub):
     with slow_steps(server, 0.02):
         call = stub.Generate(request(prompt_ids(8, 8), rid="dup", temperature=0.0, max_new_tokens=30,
@@ -553,6 +687,64 @@ def test_duplicate_request_id_is_refused(server, stub):
     wait_released(server)
 
 
+WARM_BUDGET = CacheBudget(num_slots=2, max_model_len=128, page_size=64)  # 2 page buckets: 7 shapes
+
+
+@pytest.mark.slow
+def test_warmup_compiles_before_serving(model):
+    """SERVING (and warmup_complete) only once every shape is compiled; then a prompt that crosses
+    a page bucket, greedy and sampled, compiles nothing."""
+    import jax.monitoring
+
+    config, params, tokenizer = model
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=WARM_BUDGET, prefill_chunk=128))
+    proceed = threading.Event()
+    original_run = engine.runner.run
+
+    def gated_run(*args, **kwargs):  # hold the warm-up at its first shape until the checks are done
+        assert proceed.wait(120)
+        return original_run(*args, **kwargs)
+
+    engine.runner.run = gated_run
+    compiles = []
+
+    def on_event(name, seconds, **_):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    srv = ServerThread(LoadedModel(engine, model_name="warm"), ServerSettings(port=0))
+    try:
+        port = srv.start()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.LlmEngineStub(ch)
+            info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+            deadline = time.monotonic() + 60
+            while info.warmup_shapes_total == 0:  # the driver is still building the engine's limits
+                assert time.monotonic() < deadline
+                info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+            assert not info.warmup_complete and (info.warmup_shapes_done, info.warmup_shapes_total) == (0, 7)
+            assert health_status(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
+            proceed.set()
+            assert srv.wait_ready(600), srv.server.load_error
+            del engine.runner.run
+            info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+            assert info.warmup_complete and info.warmup_shapes_done == info.warmup_shapes_total == 7
+            assert (info.free_pages, info.free_slots) == (info.total_pages, info.total_slots)
+            assert engine.stats["steps"] == 0 and srv.server.metrics.snapshot()["vllm:prompt_tokens"] == 0
+            compiles.clear()
+            for seed, sampling in ((1, dict(temperature=0.0)), (2, dict(temperature=0.7, seed=5)),
+                                   (3, dict(temperature=0.7, top_p=0.9, top_k=20))):
+                _, complete, error = collect(stub, request(prompt_ids(60, seed), max_new_tokens=20, ignore_eos=True,
+                                                           **sampling))
+                assert error is None and complete.completion_tokens == 20  # ends on the second page
+            assert compiles == [], f"{len(compiles)} compilation(s) after the warm-up"
+    finally:
+        proceed.set()
+        jax.monitoring.unregister_event_duration_listener(on_event)
+        srv.shutdown(grace=0)
+
+
 # ---- health, drain, auth, TLS, limits -----------------------------------------------------------
 
 
@@ -563,8 +755,9 @@ def test_health_transitions_and_graceful_drain(model):
         assert gate.wait(120)
         return LoadedModel(make_engine(model), model_name="drain-test")
 
-    srv = ServerThread(loader, ServerSettings(port=0, shutdown_grace_s=1.0))
+    srv = ServerThread(loader, ServerSettings(port=0, shutdown_grace_s=1.0, warmup=False))
     port = srv.start()
+    registry = srv.server.metrics_registry()  # made while loading, as `deepinfer serve` does
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.LlmEngineStub(ch)
@@ -576,7 +769,9 @@ def test_health_transitions_and_graceful_drain(model):
             assert not stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
             gate.set()
             assert srv.wait_ready(300)
-            assert srv.server.driver.warmup_seconds is not None  # SERVING only after the warm-up
+            from prometheus_client import generate_latest
+
+            assert 'model_name="drain-test"' in generate_latest(registry).decode()  # the served model
             for service in ("", SERVICE_NAME):
                 assert health_status(ch, service) == health_pb2.HealthCheckResponse.SERVING
 
@@ -626,7 +821,7 @@ def _self_signed_cert(directory: Path):
 def secure(model, tmp_path_factory):
     """A server with a bearer token, TLS (when openssl is there) and a queue of one beyond the slots."""
     tls = _self_signed_cert(tmp_path_factory.mktemp("tls"))
-    settings = ServerSettings(port=0, auth_token=TOKEN, max_queue=1, shutdown_grace_s=0.5,
+    settings = ServerSettings(port=0, auth_token=TOKEN, max_queue=1, shutdown_grace_s=0.5, warmup=False,
                               tls_cert=str(tls[0]) if tls else None, tls_key=str(tls[1]) if tls else None)
     srv = ServerThread(lambda: make_engine(model), settings)
     srv.start()
@@ -657,6 +852,13 @@ def test_bearer_token_on_every_rpc(secure):
                 call(metadata)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value.details()
     assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=good, timeout=30).vocab_size == 129280
+    for scheme in ("bearer", "BEARER", "bEaReR"):  # the scheme is case-insensitive (RFC 7235)
+        md = (("authorization", f"{scheme} {TOKEN}"),)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=md, timeout=30).vocab_size == 129280
+    for value in (f"Basic {TOKEN}", "Bearer", f"Bearer {TOKEN.upper()}", f"Bearer {TOKEN}x"):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=(("authorization", value),), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, value
     _, complete, _ = collect(stub, request(prompt_ids(8, 1), temperature=0.0, max_new_tokens=2), metadata=good)
     assert complete.completion_tokens == 2
     assert SERVICE_NAME in list_services(ch, metadata=good)
@@ -698,6 +900,54 @@ def test_queue_limit_gives_resource_exhausted(secure):
     wait_released(srv)
     _, complete, _ = collect(stub, request(prompt_ids(8, 30), temperature=0.0, max_new_tokens=2), metadata=md)
     assert complete.completion_tokens == 2
+
+
+def test_bad_tls_files_are_named_before_binding(model, tmp_path, capsys):
+    from deepinfer.serve.grpc.cli import run_serve
+    from deepinfer.serve.grpc.tls import TlsFileError
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    tls, other = _self_signed_cert(tmp_path / "a"), _self_signed_cert(tmp_path / "b")
+    if tls is None:
+        pytest.skip("openssl is not installed: no certificate to test TLS with")
+    (cert, key), (_, other_key) = tls, other
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    for c, k, flag, named, needle in ((garbage, key, "--tls-cert", garbage, "no PEM certificate"),
+                                      (key, key, "--tls-cert", key, "no PEM certificate"),
+                                      (cert, garbage, "--tls-key", garbage, "no PEM private key"),
+                                      (cert, cert, "--tls-key", cert, "no PEM private key"),
+                                      (cert, other_key, "--tls-key", other_key, "does not match the certificate")):
+        assert run_serve(_serve_args("--tls-cert", str(c), "--tls-key", str(k))) == 2
+        err = capsys.readouterr().err
+        assert f"{flag}: " in err and str(named) in err and needle in err and "Failed to bind" not in err, err
+        # an embedding program gets the same error from start(), before anything binds
+        srv = ServerThread(lambda: make_engine(model),
+                           ServerSettings(port=0, tls_cert=str(c), tls_key=str(k), warmup=False))
+        with pytest.raises(TlsFileError, match=needle):
+            srv.start()
+
+
+def test_a_non_loopback_bind_needs_tls_or_a_token(tmp_path, capsys):
+    from deepinfer.serve.grpc.cli import build_settings, run_serve
+
+    for host in ("0.0.0.0", "::", "192.0.2.7", "example.com"):
+        with pytest.raises(ValueError, match="allow_insecure_remote"):
+            ServerSettings(host=host)
+        assert ServerSettings(host=host, auth_token=TOKEN).host == host
+        assert ServerSettings(host=host, allow_insecure_remote=True).host == host
+    for host in ("127.0.0.1", "127.1.2.3", "::1", "localhost"):
+        assert ServerSettings(host=host).exposure().endswith("(loopback only), TLS off, bearer-token auth off")
+    settings = ServerSettings(host="0.0.0.0", auth_token=TOKEN, port=7)
+    assert settings.exposure() == ("0.0.0.0:7 (reachable from other machines), TLS off, "
+                                   "bearer-token auth on (health service open)")
+    assert run_serve(_serve_args("--host", "0.0.0.0")) == 2
+    assert "--allow-insecure-remote" in capsys.readouterr().err
+    assert build_settings(_serve_args("--host", "::", "--allow-insecure-remote")).allow_insecure_remote
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    assert build_settings(_serve_args("--host", "0.0.0.0", "--auth-token-file", str(token_file))).auth_token == TOKEN
 
 
 # ---- the `serve` command ------------------------------------------------------------------------
@@ -760,6 +1010,7 @@ def test_serve_command_serves_and_drains_on_sigterm(tmp_path):
     try:
         line = proc.stdout.readline()
         assert "listening on 127.0.0.1:" in line, (line, (tmp_path / "stderr.log").read_text())
+        assert "(loopback only), TLS off, bearer-token auth on (health service open)" in line, line
         port = int(line.split("127.0.0.1:")[1].split()[0])
         line = proc.stdout.readline()
         assert "Prometheus metrics on http://127.0.0.1:" in line, line

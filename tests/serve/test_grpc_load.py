@@ -20,6 +20,7 @@ import pytest
 
 from deepinfer.model import init_params, load_config
 from deepinfer.model.tokenizer import load_tokenizer
+from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
 from deepinfer.serve.grpc import deepinfer_engine_pb2 as pb
@@ -40,8 +41,14 @@ def server():
     config = load_config("tiny-v4.1", fake_quant=True)
     engine = LLMEngine(init_params(config, seed=0), config, load_tokenizer(),
                        EngineConfig(budget=BUDGET, prefill_chunk=128))
+    # compile the load's shapes (one page; greedy and temperature sampling) before measuring: the
+    # server's full warm-up would also compile page buckets the load never reaches
+    for i, temperature in enumerate((0.0, 0.8)):
+        engine.add_request(f"compile-{i}", [0, 101, 102], SamplingParams(temperature=temperature, max_tokens=2))
+        while engine.has_unfinished():
+            engine.step()
     srv = ServerThread(LoadedModel(engine, model_name="tiny-v4.1-load"),
-                       ServerSettings(port=0, max_concurrent_streams=CLIENTS, max_queue=CLIENTS))
+                       ServerSettings(port=0, max_concurrent_streams=CLIENTS, max_queue=CLIENTS, warmup=False))
     srv.start()
     assert srv.wait_ready(300), srv.server.load_error
     yield srv

@@ -1,0 +1,192 @@
+"""Compile, before an engine serves, every step shape a request can ask it for.
+
+The runner pads each step to a shape bucket (`runner.py`): prefill chunks are rows x tokens x
+page-count buckets, with or without the decoder layers (compact prefill runs chunks wholly below
+a prompt's replay floor encoder-only); decode runs all slots x 1 token x a page-count bucket; the
+sampler compiles per batch bucket and per kind of sampling. The first request that needs a new
+bucket waits for its compilation (tens of seconds for a real model), which looks like a hang;
+`warm_up` runs each bucket once on dummy tokens instead, while the engine is idle.
+
+It leaves the engine as it found it: no request, slot or page is allocated (the dummy rows go
+through the runner directly, on free slots and pages, and the touched slots are reset after; the
+free pages they wrote hold stale values, as any released page does, and are overwritten before
+they are read), the engine's counters, sampling key and the runner's expert-load statistics are
+unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import jax
+import numpy as np
+
+from deepinfer.serve.api.types import SamplingParams
+from deepinfer.serve.engine import sampler
+from deepinfer.serve.engine.runner import ChunkWork, token_bucket
+
+__all__ = ["StepShape", "WarmupReport", "step_shapes", "warm_up"]
+
+log = logging.getLogger("deepinfer.engine")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One compiled bucket. kind: "prefill" | "decode" | "sample"; rows: prefill rows per dp rank
+    (decode: all slots; sample: the padded batch); tokens: chunk tokens (1 for decode); pages:
+    page-table columns; decoder: the decoder layers run (prefill); sampling: the sampler variant."""
+
+    kind: str
+    rows: int
+    tokens: int = 1
+    pages: int = 0
+    decoder: bool = True
+    sampling: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "sample":
+            return f"sample {self.rows} rows ({self.sampling})"
+        extra = "" if self.decoder else ", encoder only"
+        return f"{self.kind} {self.rows} rows x {self.tokens} tokens x {self.pages} pages{extra}"
+
+
+@dataclass
+class WarmupReport:
+    shapes: list[StepShape] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # per shape (compile + one run)
+
+    @property
+    def total_seconds(self) -> float:
+        return float(sum(self.seconds))
+
+
+# the sampler variants a plain request uses: greedy, temperature (seeded or not: same code),
+# top-p / top-k; penalties, min-p, logit bias and logprobs compile on first use
+_SAMPLING = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature": SamplingParams(temperature=1.0),
+    "top-p/top-k": SamplingParams(temperature=1.0, top_p=0.9, top_k=40),
+}
+
+
+def _page_buckets(max_pages: int) -> list[int]:
+    return sorted({min(max_pages, token_bucket(n, minimum=1)) for n in range(1, max_pages + 1)})
+
+
+def _powers_up_to(n: int) -> list[int]:
+    return sorted({1 << (k - 1).bit_length() for k in range(1, n + 1)})
+
+
+def _chunk_ends(tokens: int, chunk: int, limit: int) -> list[tuple[int, int]]:
+    """Where a prefill chunk of token bucket `tokens` can end: chunks start at multiples of
+    `chunk` (the prefill chunk size) and hold (tokens/2, tokens] tokens (1..128 for the first
+    bucket), ending at or before `limit`. Intervals [first, last]."""
+    shortest, longest = (1 if tokens == 128 else tokens // 2 + 1), min(tokens, chunk)
+    return [(start + shortest, min(start + longest, limit)) for start in range(0, limit, chunk)
+            if start + shortest <= limit]
+
+
+def _ends_in(intervals: list[tuple[int, int]], low: int, high: int) -> bool:
+    """Some end of `intervals` in (low, high]."""
+    return any(first <= high and last > low for first, last in intervals)
+
+
+def step_shapes(engine) -> list[StepShape]:
+    """Every bucket the engine's scheduler can produce, in the order `warm_up` compiles them.
+
+    A prefill step's token bucket is its longest chunk's, its page bucket its furthest-reaching
+    row's: page bucket P covers sequence ends in ((P/2) * page_size, P * page_size] (the last
+    one up to the context). Encoder-only chunks end at or below the replay floor, at most
+    context - keep_tokens. Shapes no request can produce are left out (`_chunk_ends`)."""
+    layout, ec = engine.cache.layout, engine.engine_config
+    ps, max_len, chunk = layout.page_size, layout.max_len, ec.prefill_chunk
+    pages = _page_buckets(layout.max_pages_per_slot)
+    low_end = {p: (0 if i == 0 else pages[i - 1] * ps) for i, p in enumerate(pages)}  # ends > this
+    tokens = sorted({token_bucket(n) for n in range(1, chunk + 1)})
+    rows = _powers_up_to(min(ec.prefill_rows, layout.slots_per_rank))
+    decoders = (False, True) if ec.prefill_mode == "compact" else (True,)
+    shapes = []
+    for decoder in decoders:
+        limit = max_len if decoder else max_len - ec.keep_tokens
+        ends = {t: _chunk_ends(t, chunk, limit) for t in tokens}
+        for r in rows:
+            for t in tokens:
+                for p in pages:
+                    low, high = low_end[p], min(p * ps, limit)
+                    if r == 1:  # the one chunk ends in the page bucket
+                        fits = _ends_in(ends[t], low, high)
+                    else:  # the longest chunk ends there or before, a shorter or equal one in it
+                        fits = (any(first <= high for first, _ in ends[t])
+                                and any(_ends_in(ends[u], low, high) for u in tokens if u <= t))
+                    if fits:
+                        shapes.append(StepShape("prefill", r, t, p, decoder))
+    shapes += [StepShape("decode", layout.slots_per_rank, 1, p) for p in pages]
+    batches = _powers_up_to(layout.num_slots)
+    shapes += [StepShape("sample", b, sampling=name) for b in sorted({max(8, b) for b in batches})
+               for name in _SAMPLING]
+    return shapes
+
+
+def _run_step(engine, shape: StepShape) -> None:
+    """One runner step of `shape` on dummy tokens in the first slots (and some pages) of rank 0:
+    only the shape compiles, so the rows end at the last position of the page bucket and the
+    chunk is as long as the token bucket allows."""
+    layout, ec = engine.cache.layout, engine.engine_config
+    end = min(shape.pages * layout.page_size, layout.max_len)
+    n = min(shape.tokens, end, ec.prefill_chunk)
+    start = end - n
+    needed = -(-end // layout.page_size)
+    table = np.full((layout.num_slots, layout.max_pages_per_slot), -1, np.int32)
+    floor = 0 if shape.decoder else end + ec.keep_tokens  # encoder-only: the chunk is below the floor
+    work = []
+    for slot in range(shape.rows):
+        table[slot, :needed] = (slot * needed + np.arange(needed)) % (layout.num_pages // layout.dp)
+        work.append(ChunkWork(slot, np.ones(n, np.int32), start, np.ones(start, np.int32), floor))
+    engine.runner.run(work, table, rows=shape.rows, tokens=shape.tokens, decoder=shape.decoder)
+
+
+def _run_sampler(engine, shape: StepShape) -> None:
+    params = _SAMPLING[shape.sampling]
+    vocab = engine.config.vocab_size
+    tensors = sampler.build_sampling_tensors([params], [1], [[0]], [[]], vocab_size=vocab, batch_size=shape.rows)
+    logits = np.zeros((shape.rows, vocab), np.float32)
+    _, key = jax.random.split(jax.random.key(0))  # unpacked, as the engine splits its key
+    out = sampler.sample(logits, tensors, key, num_logprobs=0)
+    np.asarray(out.tokens)
+
+
+def warm_up(engine, progress: Callable[[int, int, StepShape, float], None] | None = None) -> WarmupReport:
+    """Compile every shape of `step_shapes(engine)` (see the module docstring); the engine must be
+    idle. `progress(i, n, shape, seconds)` after each shape (default: a log line)."""
+    if engine.has_unfinished() or engine.requests:
+        raise RuntimeError("warm_up needs an idle engine (no request in flight)")
+    if progress is None:
+        def progress(i, n, shape, seconds):
+            log.info("warm-up %d/%d: %s in %.2f s", i, n, shape, seconds)
+    shapes = step_shapes(engine)
+    report = WarmupReport()
+    runner = engine.runner
+    expert_load = runner.expert_load.copy()
+    try:
+        for i, shape in enumerate(shapes, 1):
+            t0 = time.perf_counter()
+            if shape.kind == "sample":
+                _run_sampler(engine, shape)
+            else:
+                _run_step(engine, shape)
+            report.shapes.append(shape)
+            report.seconds.append(time.perf_counter() - t0)
+            progress(i, len(shapes), shape, report.seconds[-1])
+        # the engine resets the slots it admits in one step (1 .. prefill_rows per rank): one shape
+        # per count; the last reset also leaves the slots the dummy rows wrote to (rank 0) as new
+        admitted = engine.engine_config.prefill_rows * engine.cache.layout.dp
+        for k in range(1, admitted + 1):
+            runner.reset(list(range(k)))
+        runner.reset(list(range(engine.cache.layout.slots_per_rank)))
+    finally:
+        runner.expert_load = expert_load
+    log.info("warm-up: %d shapes compiled in %.1f s", len(report.shapes), report.total_seconds)
+    return report
