@@ -29,6 +29,7 @@ legitimate flips are rare (the inputs agree to `tol`), while a wrong quantizer f
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -122,15 +123,16 @@ def _outs(outs) -> list:
 
 def _intercepting(fn, site_handler):
     """A jitted `run(*args) -> (fn(*args), extras)` evaluating `fn`'s jaxpr with its sites handed
-    to `site_handler(extras)(kind, name, eqn, invals)`, which may append to the `extras` list of
-    the current trace. Retraces per input shape like any jit."""
+    to `site_handler(extras, aux)(kind, name, eqn, invals)`, which may append to the `extras` list
+    of the current trace; `run(aux, *args)` passes `aux` (arrays) to the handler. Retraces per
+    input shape like any jit."""
 
-    def run(*args):
+    def run(aux, *args):
         flat, tree = jax.tree.flatten(args)
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat]
         closed, out_shape = jax.make_jaxpr(lambda *a: fn(*jax.tree.unflatten(tree, a)), return_shape=True)(*avals)
         extras = []
-        outs = _eval(closed.jaxpr, closed.consts, flat, site_handler(extras))
+        outs = _eval(closed.jaxpr, closed.consts, flat, site_handler(extras, aux))
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs), extras
 
     return jax.jit(run)
@@ -172,7 +174,7 @@ def record(fn, *args, key=None):
     if full_key not in _RECORDERS:
         kinds: list[Kind] = []
 
-        def handler(extras):
+        def handler(extras, _):
             kinds.clear()
 
             def on_site(kind, name, eqn, invals):
@@ -193,7 +195,7 @@ def record(fn, *args, key=None):
 
 def _collect(entry, args):
     run, kinds = entry
-    out, captured = run(*args)
+    out, captured = run(None, *args)
     sites = Sites()
     for kind, (x, q) in zip(kinds, captured):
         sites.add(kind, np.asarray(x), np.asarray(q))
@@ -246,7 +248,8 @@ class Adoption:
         """The adoption was legitimate: exactly `unmatched` rows (None: any number, for programs
         with padding rows) found no recorded twin within `tol`, and at most `max_flipped` of the
         matched rows quantize differently on their own (rounding flips; a wrong quantizer flips
-        most rows)."""
+        most rows). Prints the figures (pytest -s)."""
+        print(f" QAT sites: {self}", end="")
         assert self.matched > 0, "no row matched a recorded site: the runs compute different things"
         if unmatched is not None:
             assert self.rows - self.matched == unmatched, \
@@ -309,55 +312,64 @@ def adopting(sites: Sites, tol: float = TOL):
             setattr(m, n, f)
 
 
+_REPLAYERS: dict = {}
+
+
 class Replayer:
     """Runs jax programs with each QAT site's rows taking the recorded values of their twin
     within `tol` (rows with none keep their own values); `found` sums up every run's `Adoption`.
 
-    `replayer(key, fn, *args)`: one jit per `key` (give a key per distinct static setup)."""
+    `replayer(key, fn, *args)`: `key` names `fn` and its static setup; the compiled program is
+    shared by every replayer whose tables have the same shapes."""
 
     def __init__(self, sites: Sites, tol: float = TOL):
-        self.tables = {k: (jnp.asarray(sites.x[k]), jnp.asarray(sites.q[k])) for k in sites.x}
+        self.kinds = tuple(sorted(sites.x, key=repr))
+        self.tables = [(sites.x[k], sites.q[k]) for k in self.kinds]
         self.tol = tol
         self.found = Adoption()
-        self._jits = {}
 
     def __call__(self, key, fn, *args):
-        if key not in self._jits:
-            self._jits[key] = _intercepting(fn, self._handler)
-        out, stats = self._jits[key](*args)
+        full_key = (key, self.kinds, tuple(x.shape for x, _ in self.tables), self.tol)
+        if full_key not in _REPLAYERS:
+            _REPLAYERS[full_key] = _intercepting(fn, functools.partial(_replay_handler, self.kinds, self.tol))
+        out, stats = _REPLAYERS[full_key](self.tables, *args)
         for s in stats:
             s = np.asarray(s)
             assert s[5] == 0, "adopted values did not survive packing"
             self.found.add(*s[:5])
         return out
 
-    def _handler(self, extras):
-        def on_site(kind, name, eqn, invals):
-            x = invals[0]
-            outs = _outs(_bind(eqn, invals))
-            if kind not in self.tables:
-                return outs
-            w = kind.width
-            rows = x.reshape(-1, w).astype(jnp.float32)
-            own = _values(kind, name, outs).reshape(-1, w)
-            table_x, table_q = self.tables[kind]
-            idx, dist = _nearest(jnp, rows, table_x)
-            matched = dist <= self.tol
-            twin = table_q[idx]
-            new = jnp.where(matched[:, None], twin, own)
-            differs = (own != twin) & matched[:, None]
-            if name in _FAKE:
-                result = [new.reshape(x.shape).astype(outs[0].dtype)]
-                stored = new
-            else:  # pack the adopted values (on-grid values pack losslessly)
-                result = _outs(_bind(eqn, [new.reshape(x.shape).astype(x.dtype)]))
-                stored = _values(kind, name, result).reshape(-1, w)
-            f32 = jnp.float32
-            extras.append(jnp.stack([f32(rows.shape[0]), matched.sum().astype(f32), differs.any(-1).sum().astype(f32),
-                                     differs.sum().astype(f32), jnp.where(matched, dist, 0.0).max(initial=0.0),
-                                     jnp.any(stored != new).astype(f32)]))
-            return result
-        return on_site
+
+def _replay_handler(kinds, tol, extras, tables):
+    tables = dict(zip(kinds, tables))
+
+    def on_site(kind, name, eqn, invals):
+        x = invals[0]
+        outs = _outs(_bind(eqn, invals))
+        w = kind.width
+        rows = x.reshape(-1, w).astype(jnp.float32)
+        f32 = jnp.float32
+        if kind not in tables:  # no recorded site of this kind: every row unmatched
+            extras.append(jnp.asarray([rows.shape[0], 0, 0, 0, 0, 0], f32))
+            return outs
+        own = _values(kind, name, outs).reshape(-1, w)
+        table_x, table_q = tables[kind]
+        idx, dist = _nearest(jnp, rows, table_x)
+        matched = dist <= tol
+        twin = table_q[idx]
+        new = jnp.where(matched[:, None], twin, own)
+        differs = (own != twin) & matched[:, None]
+        if name in _FAKE:
+            result = [new.reshape(x.shape).astype(outs[0].dtype)]
+            stored = new
+        else:  # pack the adopted values (on-grid values pack losslessly)
+            result = _outs(_bind(eqn, [new.reshape(x.shape).astype(x.dtype)]))
+            stored = _values(kind, name, result).reshape(-1, w)
+        extras.append(jnp.stack([f32(rows.shape[0]), matched.sum().astype(f32), differs.any(-1).sum().astype(f32),
+                                 differs.sum().astype(f32), jnp.where(matched, dist, 0.0).max(initial=0.0),
+                                 jnp.any(stored != new).astype(f32)]))
+        return result
+    return on_site
 
 
 def _originals():
