@@ -35,7 +35,7 @@ from tests.kernels.mode import KERNEL_BACKEND, ON_DEVICE
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
 U = 2.0 ** -24  # fp32 unit roundoff
-BF16_ROUND = 2.0 ** -8  # two bf16 roundings of nearly the same value differ by at most this, relatively
+BF16_ROUND = 2.0 ** -8  # one rounding to bf16 moves a value by at most this, relatively (half an ulp)
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
