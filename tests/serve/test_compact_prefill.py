@@ -15,6 +15,7 @@ from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, EngineStalledError, LLMEngine
+from tests.serve.test_engine import run
 
 KEEP = EngineConfig().keep_tokens  # the default
 MAX_TOKENS = 3
@@ -44,13 +45,7 @@ def generate(model, prompts: list[list[int]], prefill_chunk: int) -> dict[str, o
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5, detokenize=False)
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, params)
-    outputs, steps = {}, 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id] = out.outputs[0]
-        steps += 1
-        assert steps < 200
-    return outputs
+    return {request_id: out.outputs[0] for request_id, out in run(engine).items()}
 
 
 def assert_same_predictions(ours, reference, what: str) -> None:
@@ -107,12 +102,7 @@ def test_prefills_waiting_for_each_others_pages_preempt_instead_of_spinning(mode
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     for name in ("a", "b"):
         engine.add_request(name, [0] + rng.integers(3, 128000, 299).tolist(), greedy)
-    outputs, steps = {}, 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id] = out
-        steps += 1
-        assert steps < 100
+    outputs = run(engine)
     assert sorted(outputs) == ["a", "b"]
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs.values())
     assert engine.scheduler.num_preemptions >= 1
