@@ -28,7 +28,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from deepinfer.model import quant
+from deepinfer.ops import quant
 from deepinfer.model.config import ModelConfig, load_config, to_hf_config
 from deepinfer.model.params import (
     BF16, F32, FP4, FP8, FP8_ROWS, I64, ParamSpec, QuantWeight, abstract_params, build_tree, dense_dtype, param_specs,

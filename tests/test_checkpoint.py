@@ -22,7 +22,7 @@ from deepinfer.model import (
     CheckpointError, QuantWeight, convert_to_orbax, forward, init_params, load_checkpoint, load_config,
     write_checkpoint,
 )
-from deepinfer.model import quant
+from deepinfer.ops import quant
 from deepinfer.model.params import BF16, F32, FP4, FP8, FP8_ROWS, build_tree, param_specs, tree_get
 from deepinfer.model.safetensors_io import SafetensorsFile, write_safetensors
 from deepinfer.sharding import make_mesh, mesh_placement, param_sharding, params_shardings
@@ -88,7 +88,7 @@ def leaves_equal(a, b) -> None:
 
 
 def host_quant_roundtrip(params) -> dict:
-    """What the checkpoint stores, dequantized on the host with deepinfer.model.quant."""
+    """What the checkpoint stores, dequantized on the host with deepinfer.ops.quant."""
     def leaf(spec):
         a = np.asarray(tree_get(params, spec.path), np.float32)
         if spec.storage == FP8:
