@@ -39,6 +39,7 @@ class SequenceShards(Protocol):
     def gather(self, a: jax.Array) -> jax.Array: ...
 
 
+@jax.named_scope("attention")
 def query(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array):
     """q `[B, T, H, hd]` (rotated) and q_residual `[B, T, q_lora]` (the indexer's input)."""
     B, T, _ = x.shape
@@ -49,6 +50,7 @@ def query(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax
     return apply_rope(q, positions, layer_inv_freq(config, layer)), q_residual
 
 
+@jax.named_scope("attention")
 def window_kv_unquantized(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array):
     """The layer's window KV `[B, T, hd]` before the QAT fake-quant (what packed caches encode)."""
     kv = rms_norm(linear(x, p["wkv"]), p["kv_norm"], config.rms_norm_eps)
@@ -62,6 +64,7 @@ def query_and_window_kv(p: dict, config: ModelConfig, layer: int, x: jax.Array, 
     return q, q_residual, kv
 
 
+@jax.named_scope("attention")
 def output_projection(p: dict, config: ModelConfig, layer: int, o: jax.Array, positions: jax.Array) -> jax.Array:
     """Undo the query rotation on the output's rope slice, then the grouped low-rank projection."""
     o = apply_rope(o, positions, layer_inv_freq(config, layer), inverse=True)
@@ -106,6 +109,7 @@ def index_layer(p: dict, config: ModelConfig, layer: int, x: jax.Array, q_residu
     shared["topk", layer] = topk
 
 
+@jax.named_scope("attention")
 def attention_full(p: dict, config: ModelConfig, layer: int, x: jax.Array, positions: jax.Array, shared: dict,
                    kernels: KernelConfig | None = None, seq: SequenceShards | None = None) -> jax.Array:
     """Attention sublayer over a whole sequence: x `[B, T, D]` (attn-normed), positions `[B, T]`.

@@ -21,13 +21,14 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import ml_dtypes
 import numpy as np
 
-from deepinfer.model import quant
+from deepinfer.ops import quant
 from deepinfer.model.config import ModelConfig, load_config, to_hf_config
 from deepinfer.model.params import (
     BF16, F32, FP4, FP8, FP8_ROWS, I64, ParamSpec, QuantWeight, abstract_params, build_tree, dense_dtype, param_specs,
@@ -328,17 +329,28 @@ def _load_leaf(spec: ParamSpec, shards: _ShardSet, config: ModelConfig, sharding
     return _place(spec.shape, dense_dt, sharding, lambda idx: shards.get(weights[0], idx))
 
 
-def _default_mesh(mesh):
-    if mesh is not None:
-        return mesh
-    from deepinfer.sharding.mesh import make_mesh
-
-    return make_mesh("dp=1", devices=jax.local_devices()[:1])
+# Where each leaf goes: `placement(spec, config, quantized)` -> a `jax.sharding.Sharding`, or for a
+# leaf kept quantized a `QuantWeight` of shardings (`.q`, `.scale`). The caller owns the layout
+# (`deepinfer.sharding.rules.mesh_placement(mesh)` for a mesh); the model only reads.
+Placement = Callable[[ParamSpec, ModelConfig, bool], Any]
 
 
-def load_checkpoint(directory: str | os.PathLike, mesh=None, *, dequantize: bool = False, verify: bool = True,
-                    **config_overrides) -> tuple[ModelConfig, dict]:
-    """Read an official-format or orbax checkpoint onto `mesh` (default: the first device).
+def single_device(device=None) -> Placement:
+    """Every leaf on one device (default: the first local device)."""
+    sharding = jax.sharding.SingleDeviceSharding(device if device is not None else jax.local_devices()[0])
+
+    def place(spec: ParamSpec, config: ModelConfig, quantized: bool):
+        if not quantized:
+            return sharding
+        return QuantWeight(sharding, sharding, kind=spec.storage, block=quant_block(spec, config))
+
+    return place
+
+
+def load_checkpoint(directory: str | os.PathLike, *, placement: Placement | None = None, dequantize: bool = False,
+                    verify: bool = True, **config_overrides) -> tuple[ModelConfig, dict]:
+    """Read an official-format or orbax checkpoint, each leaf placed by `placement` (default:
+    `single_device()`; a mesh's layout: `deepinfer.sharding.rules.mesh_placement(mesh)`).
 
     FP8/FP4 weights stay in their checkpoint form (`QuantWeight`) unless `dequantize=True`;
     `config_overrides` replace config fields (e.g. `fake_quant=False`, `dtype="float32"`).
@@ -350,8 +362,7 @@ def load_checkpoint(directory: str | os.PathLike, mesh=None, *, dequantize: bool
     if os.path.isfile(os.path.join(directory, ORBAX_MARKER)):
         from deepinfer.model.orbax_format import restore_orbax
 
-        return restore_orbax(directory, mesh, dequantize=dequantize, **config_overrides)
-    from deepinfer.sharding.rules import param_sharding
+        return restore_orbax(directory, placement=placement, dequantize=dequantize, **config_overrides)
 
     config = load_config(directory, **config_overrides)
     shards = _ShardSet(directory, check_values=verify)
@@ -363,11 +374,11 @@ def load_checkpoint(directory: str | os.PathLike, mesh=None, *, dequantize: bool
     if problems:
         more = f" (and {len(problems) - 1} more problem(s); `deepinfer verify-checkpoint` lists them)"
         raise CheckpointError(problems[0] + (more if len(problems) > 1 else ""))
-    mesh = _default_mesh(mesh)
+    placement = placement or single_device()
     leaves = {}
     for spec in param_specs(config, include_mtp):
         quantized = spec.storage in QUANTIZED and not dequantize
-        sharding = param_sharding(spec, mesh, config, quantized=quantized)
+        sharding = placement(spec, config, quantized)
         try:
             leaves[spec.name] = _load_leaf(spec, shards, config, sharding, dequantize)
         except CheckpointError:

@@ -18,6 +18,7 @@ from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers import apply_rope, compress_inv_freq, dequantize, linear, rms_norm
 
 
+@jax.named_scope("compressor")
 def project(p: dict, x: jax.Array, ratio: int) -> tuple[jax.Array, jax.Array | None]:
     """Per-token compressor inputs: (kv, gate) in fp32 for ratio > 1, (kv, None) for ratio 1."""
     if ratio == 1:
@@ -28,6 +29,7 @@ def project(p: dict, x: jax.Array, ratio: int) -> tuple[jax.Array, jax.Array | N
     return kv, gate
 
 
+@jax.named_scope("compressor")
 def pool_groups(kv: jax.Array, gate: jax.Array | None, ratio: int, norm_weight: jax.Array, eps: float,
                 dtype) -> jax.Array:
     """Complete groups `[B, G*ratio, D]` -> normalized latents `[B, G, D]` (pre-RoPE)."""
@@ -40,12 +42,14 @@ def pool_groups(kv: jax.Array, gate: jax.Array | None, ratio: int, norm_weight: 
     return rms_norm(latent, norm_weight, eps)
 
 
+@jax.named_scope("compressor")
 def cache_entries(config: ModelConfig, latent: jax.Array, positions: jax.Array) -> jax.Array:
     """Main compressed-KV entries: RoPE (compress rope) at each group's first position, then
     the reference's fake-quant (`qat.compressed_kv`)."""
     return qat.compressed_kv(apply_rope(latent, positions, compress_inv_freq(config)), config)
 
 
+@jax.named_scope("compressor")
 def compress_full(p: dict, config: ModelConfig, x: jax.Array, ratio: int) -> tuple[jax.Array, jax.Array]:
     """All complete groups of a whole sequence `x [B, T, D]` (positions 0..T-1): returns
     pre-RoPE latents `[B, T//ratio, D]` and their positions `[B, T//ratio]`."""
@@ -57,6 +61,7 @@ def compress_full(p: dict, config: ModelConfig, x: jax.Array, ratio: int) -> tup
     return latent, positions
 
 
+@jax.named_scope("compressor")
 def compress_full_v4(p: dict, config: ModelConfig, x: jax.Array, ratio: int) -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V4 compressor over a whole sequence `x [B, T, D]`: rows `[B, T//ratio, width]`
     (normalized, pre-RoPE) and their positions (each window's first token).

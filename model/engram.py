@@ -15,6 +15,7 @@ from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers import gather_rows, linear
 
 
+@jax.named_scope("engram")
 def engram(p: dict, config: ModelConfig, streams: jax.Array, hash_ids: jax.Array,
            live: jax.Array | None = None) -> jax.Array:
     """streams `[B, T, hc, D]`, hash_ids int32 `[B, T, n_cols]`; `live` bool `[B, T]` (False

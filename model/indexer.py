@@ -25,11 +25,13 @@ from deepinfer.pallas_kernels.reference.indexer import candidate_blocks, select_
 from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
 
+@jax.named_scope("indexer")
 def index_keys(p: dict, config: ModelConfig, latent: jax.Array, positions: jax.Array) -> jax.Array:
     k = rms_norm(linear(latent, p["wk"]), p["k_norm"], config.rms_norm_eps)
     return qat.index_vector(apply_rope(k, positions, compress_inv_freq(config)), config)
 
 
+@jax.named_scope("indexer")
 def index_queries(p: dict, config: ModelConfig, x: jax.Array, q_residual: jax.Array,
                   positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The weighted part of the indexer: x `[B, T, D]` (attn-normed), q_residual `[B, T, q_lora]`
@@ -43,6 +45,7 @@ def index_queries(p: dict, config: ModelConfig, x: jax.Array, q_residual: jax.Ar
     return q, weights
 
 
+@jax.named_scope("indexer")
 def index_scores(p: dict, config: ModelConfig, x: jax.Array, q_residual: jax.Array, positions: jax.Array,
                  keys: jax.Array, ratio: int) -> jax.Array:
     """x `[B, T, D]` (attn-normed), q_residual `[B, T, q_lora]`, keys `[B, R, d]` -> `[B, T, R]`
@@ -51,6 +54,7 @@ def index_scores(p: dict, config: ModelConfig, x: jax.Array, q_residual: jax.Arr
     return reference.index_scores(q, weights, keys, positions, ratio)
 
 
+@jax.named_scope("indexer")
 def select(p: dict, config: ModelConfig, layer: int, x: jax.Array, q_residual: jax.Array, positions: jax.Array,
            shared: dict, kernels: KernelConfig | None = None) -> tuple[jax.Array, jax.Array | None]:
     """One index-source layer's selection through the `index_topk` kernel op: `(topk [B, T, K],

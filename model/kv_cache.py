@@ -23,12 +23,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from deepinfer.model import quant
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.params import compute_dtype
-
-FLOAT = "float"
-PACKED = "packed"
+from deepinfer.ops.cache_codec import FLOAT, PACKED, decode, encode, row_shapes  # noqa: F401  (the cache's codec)
 
 
 @dataclass(frozen=True)
@@ -78,43 +75,6 @@ def check_layout(config: ModelConfig, layout: CacheLayout) -> None:
         raise ValueError("packed (FP8/FP4) cache rows are exact only with fake_quant on; use storage='float'")
 
 
-# ---- codecs ----------------------------------------------------------------------------
-
-
-def _encode(kind: str, x: jax.Array, storage: str) -> tuple[jax.Array, ...]:
-    if storage == FLOAT:
-        return (x,)
-    if kind == "window":
-        return quant.pack_fp8_blocks(x, 32)
-    if kind == "entry":
-        return quant.pack_fp4_kv(x, 16)
-    return quant.pack_fp4_index(x, 32)
-
-
-def decode(kind: str, rows: tuple[jax.Array, ...], dtype) -> jax.Array:
-    if len(rows) == 1:
-        return rows[0].astype(dtype)
-    if kind == "window":
-        return quant.unpack_fp8_blocks(*rows).astype(dtype)
-    if kind == "entry":
-        return quant.unpack_fp4_kv(*rows, 16).astype(dtype)
-    return quant.unpack_fp4_index(*rows, 32).astype(dtype)
-
-
-def encode(kind: str, x: jax.Array, storage: str) -> tuple[jax.Array, ...]:
-    return _encode(kind, x, storage)
-
-
-def _row_shapes(kind: str, width: int, storage: str, dtype) -> list[tuple[tuple[int, ...], object]]:
-    if storage == FLOAT:
-        return [((width,), dtype)]
-    if kind == "window":
-        return [((width,), jnp.float8_e4m3fn), ((width // 32,), jnp.float8_e8m0fnu)]
-    if kind == "entry":
-        return [((width // 2,), jnp.uint8), ((width // 16,), jnp.float8_e4m3fn)]
-    return [((width // 2,), jnp.uint8), ((width // 32,), jnp.float8_e8m0fnu)]
-
-
 # ---- the pytree ------------------------------------------------------------------------
 
 
@@ -145,12 +105,12 @@ def init_cache(config: ModelConfig, layout: CacheLayout) -> KVCache:
         return tuple(jnp.ones((*lead, *shape), dt) if dt == jnp.float8_e8m0fnu else jnp.zeros((*lead, *shape), dt)
                      for shape, dt in shapes)
 
-    window = zeros(_row_shapes("window", config.head_dim, layout.storage, dtype), (L, S, W))
+    window = zeros(row_shapes("window", config.head_dim, layout.storage, dtype), (L, S, W))
     entries, keys = [], []
     for s in config.kv_source_layer_ids:
         per_page = layout.page_size // config.compress_ratios[s]
-        entries.append(zeros(_row_shapes("entry", config.head_dim, layout.storage, dtype), (layout.num_pages, per_page)))
-        keys.append(zeros(_row_shapes("index", config.index_head_dim, layout.storage, dtype),
+        entries.append(zeros(row_shapes("entry", config.head_dim, layout.storage, dtype), (layout.num_pages, per_page)))
+        keys.append(zeros(row_shapes("index", config.index_head_dim, layout.storage, dtype),
                           (layout.num_pages, per_page)))
     pending = tuple(jnp.zeros((S, 2, config.head_dim), jnp.float32) for _ in pending_sources(config))
     return KVCache(window, jnp.full((S, W), -1, jnp.int32), tuple(entries), tuple(keys), pending)
@@ -161,7 +121,7 @@ def bytes_per_token(config: ModelConfig, layout: CacheLayout) -> float:
     total = 0.0
     for s in config.kv_source_layer_ids:
         for kind, width in (("entry", config.head_dim), ("index", config.index_head_dim)):
-            for shape, dt in _row_shapes(kind, width, layout.storage, compute_dtype(config)):
+            for shape, dt in row_shapes(kind, width, layout.storage, compute_dtype(config)):
                 total += shape[0] * jnp.dtype(dt).itemsize / config.compress_ratios[s]
     return total
 
@@ -171,7 +131,7 @@ def slot_bytes(config: ModelConfig, layout: CacheLayout) -> int:
     pending state."""
     total = config.sliding_window * 4
     rings = config.num_hidden_layers + layout.draft_rings
-    for shape, dt in _row_shapes("window", config.head_dim, layout.storage, compute_dtype(config)):
+    for shape, dt in row_shapes("window", config.head_dim, layout.storage, compute_dtype(config)):
         total += rings * config.sliding_window * shape[0] * jnp.dtype(dt).itemsize
     return total + len(pending_sources(config)) * 2 * config.head_dim * 4
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
 
+@jax.named_scope("mhc")
 def hc_mixes(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, norm_eps: float,
              hc_eps: float, sinkhorn_iters: int,
              kernels: KernelConfig | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -25,12 +26,14 @@ def hc_mixes(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Arra
                                             sinkhorn_iters=sinkhorn_iters)
 
 
+@jax.named_scope("mhc")
 def hc_collapse(streams: jax.Array, pre: jax.Array) -> jax.Array:
     """Weighted sum of the streams: the sublayer input."""
     out = jnp.sum(pre[..., None] * streams.astype(jnp.float32), axis=-2)
     return out.astype(streams.dtype)
 
 
+@jax.named_scope("mhc")
 def hc_expand(y: jax.Array, streams: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
     """out_k = post_k * y + sum_j comb[j, k] * streams_j."""
     mixed = jnp.einsum("...jk,...jd->...kd", comb, streams.astype(jnp.float32))

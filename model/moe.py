@@ -43,6 +43,7 @@ def shared_expert(p: dict, x: jax.Array, limit: float) -> jax.Array:
     return linear((jax.nn.silu(gate) * up).astype(x.dtype), p["w2"]).astype(jnp.float32)
 
 
+@jax.named_scope("moe")
 def moe(p: dict, config: ModelConfig, x: jax.Array, *, token_ids: jax.Array | None = None,
         n_active: int | None = None, kernels: KernelConfig | None = None, ep=None,
         live: jax.Array | None = None, return_counts: bool = False):

@@ -69,19 +69,19 @@ def read_marker(directory: str, **config_overrides) -> tuple[ModelConfig, set[st
     return config, set(quantized), include_mtp
 
 
-def restore_orbax(directory: str | os.PathLike, mesh=None, *, dequantize: bool = False,
+def restore_orbax(directory: str | os.PathLike, *, placement=None, dequantize: bool = False,
                   **config_overrides) -> tuple[ModelConfig, dict]:
-    from deepinfer.model.checkpoint import _default_mesh
-    from deepinfer.sharding.rules import param_sharding
+    """Restore onto `placement` (`model.checkpoint.Placement`; default: the first device)."""
+    from deepinfer.model.checkpoint import single_device
 
     directory = os.path.abspath(os.fspath(directory))
     config, quantized, include_mtp = read_marker(directory, **config_overrides)
-    mesh = _default_mesh(mesh)
+    placement = placement or single_device()
     abstract = abstract_params(config, quantized=bool(quantized), include_mtp=include_mtp)
 
     def target(spec):
         is_q = spec.storage in quantized and spec.storage in (FP8, FP8_ROWS, FP4)
-        sharding = param_sharding(spec, mesh, config, quantized=is_q)
+        sharding = placement(spec, config, is_q)
         leaf = tree_get(abstract, spec.path)
         if is_q:
             return QuantWeight(jax.ShapeDtypeStruct(leaf.q.shape, leaf.q.dtype, sharding=sharding.q),
@@ -97,17 +97,18 @@ def restore_orbax(directory: str | os.PathLike, mesh=None, *, dequantize: bool =
     if dequantize and quantized:
         from deepinfer.model.layers import dequantize as dense_of
 
-        dense_shardings = build_tree(config, lambda s: param_sharding(s, mesh, config), include_mtp)
+        dense_shardings = build_tree(config, lambda s: placement(s, config, False), include_mtp)
         params = jax.jit(lambda p: build_tree(config, lambda s: dense_of(tree_get(p, s.path), dense_dtype(s, config)),
                                               include_mtp),
                          out_shardings=dense_shardings)(params)
     return config, params
 
 
-def convert_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, mesh=None) -> ModelConfig:
-    """Official checkpoint -> orbax fast-restart checkpoint (quantized form kept)."""
+def convert_to_orbax(src: str | os.PathLike, dst: str | os.PathLike, placement=None) -> ModelConfig:
+    """Official checkpoint -> orbax fast-restart checkpoint (quantized form kept), loaded through
+    `placement` (`model.checkpoint.Placement`; default: the first device)."""
     from deepinfer.model.checkpoint import load_checkpoint
 
-    config, params = load_checkpoint(src, mesh)
+    config, params = load_checkpoint(src, placement=placement)
     save_orbax(params, config, dst)
     return config

@@ -22,11 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer.model.config import ModelConfig
+from deepinfer.ops.quant_weight import FP4, FP8, FP8_ROWS, QuantWeight  # noqa: F401  (storage kinds of ParamSpec)
 
 # storage formats of the official checkpoint
-FP8 = "fp8"  # float8_e4m3fn [out, in] + float8_e8m0fnu scale per weight block (32x32 in V4.1)
-FP8_ROWS = "fp8_rows"  # Engram tables: e4m3 rows with one e8m0 scale per 1x32 block
-FP4 = "fp4"  # routed experts: int8 [out, in/2] packed e2m1 (even k low nibble) + e8m0 scale per 1x32
 BF16 = "bf16"
 F32 = "f32"
 I64 = "i64"  # integer tables (V4's tid2eid); int32 in the params
@@ -52,17 +50,6 @@ class ParamSpec:
         if parts[-1] == "gate" and parts[-2] == "ffn":
             parts.append("weight")
         return tuple(parts)
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class QuantWeight:
-    """A weight kept in its checkpoint format. `kind` is FP8, FP8_ROWS or FP4 (static)."""
-
-    q: jax.Array
-    scale: jax.Array
-    kind: str = dataclasses.field(metadata=dict(static=True))
-    block: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
 
 
 def _block_specs(c: ModelConfig, p: str, layer: int) -> list[ParamSpec]:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer.model import quant
+from deepinfer.ops import quant
 from deepinfer.model.config import ModelConfig
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer.pallas_kernels.indexer import index_scores_pallas
-from deepinfer.model.params import FP4, FP8, QuantWeight
+from deepinfer.ops.quant_weight import FP4, FP8, QuantWeight
 from deepinfer.pallas_kernels.matmul import fp8_block_matmul_pallas, moe_experts_mxfp4_pallas
 from deepinfer.pallas_kernels.mhc import mhc_mixes_pallas
 from deepinfer.pallas_kernels.reference.indexer import index_scores as indexer_reference
@@ -213,7 +213,7 @@ def compress_store_cases(quick: bool, interpret: bool, sweep: bool) -> list[tupl
     does (otherwise both sides would copy the whole pool per call). FLOPs: the key projection;
     bytes: the chunk's kv (and gate) read, the latents written and read back, the records
     written."""
-    from deepinfer.model.layers import rope_inv_freq
+    from deepinfer.ops.norm_rope import rope_inv_freq
     from deepinfer.pallas_kernels.compress_store import compress_store_pallas
     from deepinfer.pallas_kernels.reference.compress_store import compress_store as store_reference
 

@@ -53,9 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from deepinfer.model import quant
-from deepinfer.model.kv_cache import FLOAT
-from deepinfer.model.layers import linear
+from deepinfer.ops import quant
+from deepinfer.ops.cache_codec import FLOAT
+from deepinfer.pallas_kernels.linear import linear
 from deepinfer.pallas_kernels.reference.compress_store import OP, check_args, entry_targets, next_pending, page_slots
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)

@@ -281,8 +281,8 @@ def cmd_forward(args: argparse.Namespace) -> int:
     import numpy as np
 
     from deepinfer.model import forward, init_params, load_checkpoint
+    from deepinfer.model.checkpoint import single_device
     from deepinfer.model.tokenizer import decode_token, load_tokenizer
-    from deepinfer.sharding import make_mesh
 
     t0 = time.perf_counter()
     if args.preset is not None:
@@ -298,7 +298,7 @@ def cmd_forward(args: argparse.Namespace) -> int:
         source = f"random weights (seed {args.seed})"
     else:
         try:
-            config, params = load_checkpoint(args.checkpoint, make_mesh("dp=1", devices=[device]), **overrides)
+            config, params = load_checkpoint(args.checkpoint, placement=single_device(device), **overrides)
         except (ValueError, OSError) as e:  # CheckpointError and ConfigError are ValueErrors
             raise CliError(f"cannot load checkpoint {args.checkpoint!r}: {e}") from None
         source = f"checkpoint {args.checkpoint}"

@@ -51,6 +51,15 @@ def param_sharding(spec: ParamSpec, mesh: Mesh, config, quantized: bool = False)
                        block=quant_block(spec, config))
 
 
+def mesh_placement(mesh: Mesh):
+    """The checkpoint loaders' `placement` for `mesh`: every leaf as `param_sharding` lays it out."""
+
+    def place(spec: ParamSpec, config, quantized: bool):
+        return param_sharding(spec, mesh, config, quantized=quantized)
+
+    return place
+
+
 def params_shardings(config, mesh: Mesh, quantized_storage: set[str] | None = None) -> dict:
     """Shardings tree matching `init_params` (dense) or a loaded checkpoint."""
     from deepinfer.model.params import build_tree

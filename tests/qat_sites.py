@@ -12,7 +12,7 @@ that they are legitimate, and the outputs are then compared as tightly as with f
 
 - `record(fn, *args)` runs `fn` (any jax function; traced with `jax.make_jaxpr` and re-run
   under `jax.jit`, so the model code is untouched) and captures every QAT site: each call of
-  `model.quant`'s jitted quantizers (`fake_quant_fp8/fp4`, `pack_fp8_blocks`, `pack_fp4_*`), its
+  `ops.quant`'s jitted quantizers (`fake_quant_fp8/fp4`, `pack_fp8_blocks`, `pack_fp4_*`), its
   input rows and its quantized values. `Sites.check_quantizers()` compares the values bit for bit
   with the float64 reference's quantizers (tests/reference/v41_reference.py) on the same inputs.
 - `adopting(sites)`: the numpy references quantize through the recorded decisions. Each reference
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from deepinfer.model import quant
+from deepinfer.ops import quant
 
 _FAKE = {"_fake_quant_fp8_jit": "fp8", "_fake_quant_fp4_jit": "fp4"}
 _PACK = {"_pack_fp8_jit": "fp8", "_pack_fp4_jit": "fp4"}

@@ -394,7 +394,7 @@ def test_random_byte_damage_is_always_a_named_error(good, tmp_path):
 
 def test_a_sharded_load_reads_slices_and_names_the_tensor_index(good, tmp_path):
     """Each device's slice is checked as it is read; the message gives the index in the tensor."""
-    from deepinfer.sharding import make_mesh
+    from deepinfer.sharding import make_mesh, mesh_placement
 
     d = str(tmp_path / "ckpt")
     shutil.copytree(good, d)
@@ -406,5 +406,5 @@ def test_a_sharded_load_reads_slices_and_names_the_tensor_index(good, tmp_path):
     assert entry["dtype"] == "BF16"
     poke(path, name, rows * cols - 2, np.array([np.nan], ml_dtypes.bfloat16).tobytes())
     with pytest.raises(CheckpointError) as e:
-        load_checkpoint(d, make_mesh("dp=1,cp=1,tp=8"))
+        load_checkpoint(d, placement=mesh_placement(make_mesh("dp=1,cp=1,tp=8")))
     assert_names(str(e.value), [name, os.path.basename(path), f"first at index [{rows - 1}, {cols - 2}]"])

@@ -20,7 +20,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deepinfer.model import compressor, indexer, init_params, load_config, quant
+from deepinfer.model import compressor, indexer, init_params, load_config
+from deepinfer.ops import quant
 from deepinfer.model.attention import attention_full, output_projection, query_and_window_kv, window_mask
 from deepinfer.model.checkpoint import official_dense_tensors
 from deepinfer.model.config import DEEPSEEK_V41_FLASH

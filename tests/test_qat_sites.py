@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer.model import quant
+from deepinfer.ops import quant
 from tests import qat_sites
 
 ROWS, WIDTH = 64, 64

@@ -1,4 +1,4 @@
-"""Tests of deepinfer.model.quant against hand-computed values.
+"""Tests of deepinfer.ops.quant against hand-computed values.
 
 Grid facts used below (worked out by hand):
 * e2m1 magnitudes by code 0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign.
@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deepinfer.model import quant as Q
+from deepinfer.ops import quant as Q
 
 def bits(a) -> np.ndarray:
     """float32 bit pattern, for bit-exact comparisons."""

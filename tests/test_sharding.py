@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from deepinfer.model import QuantWeight, forward, init_params, load_checkpoint, load_config, write_checkpoint
 from deepinfer.model.forward import engram_hash_ids, forward_jit
 from deepinfer.model.params import FP4, FP8, FP8_ROWS, param_specs, tree_get
-from deepinfer.sharding import AXES, logical_to_spec, make_mesh, param_sharding, params_shardings, parse_mesh_spec
+from deepinfer.sharding import AXES, logical_to_spec, make_mesh, mesh_placement, param_sharding, params_shardings, parse_mesh_spec
 from tests import qat_sites
 
 CFG = load_config("tiny-v4.1", dtype="float32", fake_quant=False)
@@ -120,10 +120,10 @@ def test_sharded_forward_matches_single_device_fake_quant(placed, single, single
 
 
 def test_loaded_dequantized_checkpoint_on_mesh(ckpt, single):
-    """`load_checkpoint(dir, mesh)` places each leaf like `params_shardings` and gives the same
+    """`load_checkpoint(dir, placement=mesh_placement(mesh))` places each leaf like `params_shardings` and gives the same
     logits as the single-device load of the same checkpoint."""
     mesh = make_mesh("dp=2,cp=2,tp=2")
-    _, on_mesh = load_checkpoint(ckpt, mesh, dequantize=True, dtype="float32", fake_quant=False)
+    _, on_mesh = load_checkpoint(ckpt, placement=mesh_placement(mesh), dequantize=True, dtype="float32", fake_quant=False)
     _, on_one = load_checkpoint(ckpt, dequantize=True, dtype="float32", fake_quant=False)
     want = params_shardings(CFG, mesh)
     for spec in param_specs(CFG):
@@ -138,7 +138,7 @@ def test_loaded_dequantized_checkpoint_on_mesh(ckpt, single):
 @pytest.mark.slow
 def test_loaded_quantized_checkpoint_on_mesh(ckpt):
     mesh = make_mesh("dp=2,cp=2,tp=2")
-    _, q_mesh = load_checkpoint(ckpt, mesh, dtype="float32", fake_quant=False)
+    _, q_mesh = load_checkpoint(ckpt, placement=mesh_placement(mesh), dtype="float32", fake_quant=False)
     _, dq_one = load_checkpoint(ckpt, dequantize=True, dtype="float32", fake_quant=False)
     w1 = q_mesh["layers"][3]["ffn"]["experts"]["w1"]
     assert isinstance(w1, QuantWeight)

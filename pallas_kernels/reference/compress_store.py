@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer.model import quant
-from deepinfer.model.kv_cache import FLOAT, encode
-from deepinfer.model.layers import apply_rope, linear, rms_norm
+from deepinfer.ops import quant
+from deepinfer.ops.cache_codec import FLOAT, encode
+from deepinfer.ops.norm_rope import apply_rope, rms_norm
+from deepinfer.pallas_kernels.linear import linear
 from deepinfer.pallas_kernels.registry import REFERENCE, register
 
 OP = "compress_store"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from deepinfer.model import quant
+from deepinfer.ops import quant
 from deepinfer.pallas_kernels.reference.moe import moe_experts
 from deepinfer.pallas_kernels.registry import REFERENCE, register
 

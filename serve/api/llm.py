@@ -47,7 +47,7 @@ import jax
 import numpy as np
 
 from deepinfer.model import PRESETS, init_params, load_checkpoint, load_config, write_checkpoint
-from deepinfer.model.checkpoint import INDEX_FILE
+from deepinfer.model.checkpoint import INDEX_FILE, single_device
 from deepinfer.pallas_kernels.accelerator import Accelerator, select_accelerator
 from deepinfer.serve.api.types import RequestOutput, SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
@@ -59,7 +59,6 @@ from deepinfer.serve.text.chat import (
     ParsedChat,
     prepare_chat,
 )
-from deepinfer.sharding import make_mesh
 
 __all__ = ["DEFAULT_MODEL", "LLM", "PREFILL_MODES", "default_cache_dir", "ensure_default_checkpoint", "parse_chat_completion"]
 
@@ -346,8 +345,8 @@ class LLM:
         if dtype is not None:
             overrides["dtype"] = dtype
         try:
-            one_device = make_mesh("dp=1", devices=[self.accelerator.first_local_device])
-            self.config, params = load_checkpoint(directory, one_device, **overrides)
+            self.config, params = load_checkpoint(
+                directory, placement=single_device(self.accelerator.first_local_device), **overrides)
         except (ValueError, OSError) as e:  # CheckpointError / ConfigError are ValueErrors
             raise ValueError(f"model: cannot load checkpoint {directory}: {e}") from None
         self.tokenizer = self._load_tokenizer(tokenizer)

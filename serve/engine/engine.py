@@ -20,7 +20,7 @@ import numpy as np
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import has_drafter
 from deepinfer.pallas_kernels.registry import KernelConfig
-from deepinfer.serve.api.types import Logprob, RequestOutput, SamplingParams
+from deepinfer.serve.engine.types import Logprob, RequestOutput, SamplingParams
 from deepinfer.serve.engine import sampler
 from deepinfer.serve.engine.cache import AdmissionError, CacheBudget, CacheManager, make_layout
 from deepinfer.serve.engine.expert_balance import ExpertBalancer

@@ -7,7 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.serve.api.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
+from deepinfer.serve.engine.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
 

@@ -24,7 +24,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from deepinfer.serve.api.types import SamplingParams
+from deepinfer.serve.engine.types import SamplingParams
 from deepinfer.serve.engine import sampler
 from deepinfer.serve.engine.runner import ChunkWork, token_bucket
 

@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from deepinfer.model import quant
+from deepinfer.ops import quant
 from deepinfer.model.params import FP4, FP8, QuantWeight
 from deepinfer.pallas_kernels import matmul as mm
 from deepinfer.pallas_kernels import registry

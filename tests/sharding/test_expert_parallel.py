@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from deepinfer.model import QuantWeight, init_params, load_config
 from deepinfer.model.moe import moe, route
 from deepinfer.model.params import FP4
-from deepinfer.model.quant import quantize_mxfp4
+from deepinfer.ops.quant import quantize_mxfp4
 from deepinfer.sharding import ExpertParallel, ep_size, ffn_partition_specs, make_mesh, to_physical, with_placement
 from deepinfer.sharding.eplb import rebalance
 from deepinfer.sharding.expert_parallel import ep_experts
