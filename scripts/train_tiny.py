@@ -263,14 +263,28 @@ def setup(run: RunConfig):
     return dict(meta=meta, config=config, used=used, batches=batches, optimizer=optimizer, state=state, mngr=mngr)
 
 
-def held_out_batches(run: RunConfig, s: dict) -> list[dict]:
-    """Fixed held-out windows (evenly spaced), for the periodic held-out loss."""
-    held = train_data.load_split(run.out, "heldout")
-    n = (len(held) - 1) // run.seq_len
-    picks = np.linspace(0, n - 1, num=min(run.eval_windows, n)).astype(int) * run.seq_len
-    ids = np.stack([np.asarray(held[p: p + run.seq_len + 1]) for p in picks]).astype(np.int32)
-    b = s["batches"]
-    return [make_batch(ids[i: i + run.batch], b.to_u, b.hasher) for i in range(0, len(ids), run.batch)]
+class HeldOut:
+    """Fixed held-out windows (evenly spaced) scored exactly as the exported full-vocabulary
+    model scores them: tokens outside U get their seeded embedding rows and zero head rows
+    (appended after U, so `u_loss`'s `n_rest` shrinks accordingly)."""
+
+    def __init__(self, run: RunConfig, s: dict):
+        held = train_data.load_split(run.out, "heldout")
+        n = (len(held) - 1) // run.seq_len
+        picks = np.linspace(0, n - 1, num=min(run.eval_windows, n)).astype(int) * run.seq_len
+        ids = np.stack([np.asarray(held[p: p + run.seq_len + 1]) for p in picks]).astype(np.int32)
+        b = s["batches"]
+        extra = np.setdiff1d(np.unique(ids), s["used"]).astype(np.int32)
+        to_u = b.to_u.copy()
+        to_u[extra] = len(s["used"]) + np.arange(len(extra), dtype=np.int32)
+        self.extra_embed = init_params(s["config"], run.seed)["embed"][jnp.asarray(extra)]
+        self.batches = [make_batch(ids[i: i + run.batch], to_u, b.hasher) for i in range(0, len(ids), run.batch)]
+
+    def params(self, params: dict) -> dict:
+        out = dict(params)
+        out["embed"] = jnp.concatenate([params["embed"], self.extra_embed])
+        out["head"] = jnp.concatenate([params["head"], jnp.zeros_like(self.extra_embed)])
+        return out
 
 
 def save(mngr: ocp.CheckpointManager, state: dict) -> None:
@@ -286,7 +300,7 @@ def train(run: RunConfig, *, stop_after: int | None = None, progress: bool = Tru
     config, state, mngr, batches = s["config"], s["state"], s["mngr"], s["batches"]
     step_fn = make_train_step(config, run.steps, run.lr, run.warmup, run.weight_qat)
     eval_fn = make_eval(config, run.weight_qat)
-    held = held_out_batches(run, s) if run.eval_every else []
+    held = HeldOut(run, s) if run.eval_every else None
     metrics = open(pathlib.Path(run.out) / "metrics.jsonl", "a")
     stop = {"now": False}
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True)) if progress else None
@@ -310,8 +324,9 @@ def train(run: RunConfig, *, stop_after: int | None = None, progress: bool = Tru
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}", refresh=False)
             record = {"step": state["step"], "loss": loss, "tok_s": round(tokens_per_step / dt, 1),
                       "cpu_s": round(time.process_time() - c0, 2), "wall_s": round(dt, 2), "time": time.time()}
-            if held and state["step"] % run.eval_every == 0:
-                record["heldout_loss"] = float(np.mean([float(eval_fn(params, b)) for b in held]))
+            if held is not None and state["step"] % run.eval_every == 0:
+                eval_params = held.params(params)
+                record["heldout_loss"] = float(np.mean([float(eval_fn(eval_params, b)) for b in held.batches]))
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if time.monotonic() - last_ckpt > 60 * run.ckpt_minutes:

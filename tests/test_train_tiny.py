@@ -4,6 +4,7 @@ resumed from its orbax checkpoint continues exactly as an uninterrupted one."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
 import sys
@@ -60,17 +61,21 @@ def corpus(tmp_path_factory) -> pathlib.Path:
     return root
 
 
-def _run(out: pathlib.Path, corpus: pathlib.Path) -> train_tiny.RunConfig:
+def _run(out: pathlib.Path, corpus: pathlib.Path, eval_every: int = 0) -> train_tiny.RunConfig:
     return train_tiny.RunConfig(out=str(out), steps=6, batch=2, seq_len=160, lr=3e-3, warmup=1, model="test",
-                                eval_every=0, max_train_tokens=2000, corpus_root=str(corpus))
+                                eval_every=eval_every, eval_windows=2, max_train_tokens=2000,
+                                corpus_root=str(corpus))
 
 
 @pytest.mark.slow
 def test_loss_falls_and_resume_continues_exactly(tmp_path, corpus):
-    whole = train_tiny.train(_run(tmp_path / "whole", corpus), progress=False)
+    whole = train_tiny.train(_run(tmp_path / "whole", corpus, eval_every=3), progress=False)
     losses = whole["losses"]
     assert len(losses) == 6 and all(np.isfinite(losses))
     assert np.mean(losses[-2:]) < losses[0] - 0.5, losses
+    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    held = [r["heldout_loss"] for r in records if "heldout_loss" in r]  # heapq.py is held out
+    assert len(held) == 2 and all(np.isfinite(held)) and held[1] < held[0], held
 
     split = tmp_path / "split"
     first = train_tiny.train(_run(split, corpus), stop_after=3, progress=False)
