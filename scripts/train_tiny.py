@@ -97,11 +97,11 @@ def export_params(params: dict, config: ModelConfig, used_ids: np.ndarray, seed:
     return out
 
 
-def weight_qat(params: dict, config: ModelConfig) -> dict:
+def weight_qat(params: dict, config: ModelConfig, specs=None) -> dict:
     """The params as the checkpoint will store them (FP8 2-D blocks, FP8 rows, MXFP4 experts),
-    with straight-through gradients."""
+    with straight-through gradients. `specs`: the tensors to round (default: the target's)."""
     out = jax.tree.map(lambda a: a, params)
-    for spec in param_specs(config, include_mtp=False):
+    for spec in param_specs(config, include_mtp=False) if specs is None else specs:
         if spec.storage not in (FP8, FP8_ROWS, FP4):
             continue
         *parents, last = spec.path
@@ -236,11 +236,23 @@ class RunConfig:
     eval_windows: int = 16
     max_train_tokens: int = 0  # > 0: use only the first N train tokens (tests)
     corpus_root: str = ""  # a directory of .py files instead of the standard library (tests)
+    phase: str = "target"  # target | drafter (train_drafter.py; needs the finished target in `out`)
+    anchors: int = 16  # drafter phase: draft blocks per sequence and step
 
 
-def checkpoint_manager(run: RunConfig) -> ocp.CheckpointManager:
+def checkpoint_manager(run: RunConfig, name: str = "ckpt") -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
-    return ocp.CheckpointManager(pathlib.Path(run.out).resolve() / "ckpt", options=options)
+    return ocp.CheckpointManager(pathlib.Path(run.out).resolve() / name, options=options)
+
+
+def restore_latest(mngr: ocp.CheckpointManager, state: dict) -> dict:
+    """The latest checkpoint of `mngr` shaped like `state`, or `state` itself when there is none."""
+    if mngr.latest_step() is None:
+        return state
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(abstract))
+    restored["step"] = int(restored["step"])
+    return restored
 
 
 def setup(run: RunConfig):
@@ -256,10 +268,7 @@ def setup(run: RunConfig):
     params = init_train_params(config, used, run.seed)
     state = {"params": params, "opt_state": optimizer.init(params), "step": 0}
     mngr = checkpoint_manager(run)
-    if mngr.latest_step() is not None:
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(abstract))
-        state["step"] = int(state["step"])
+    state = restore_latest(mngr, state)
     return dict(meta=meta, config=config, used=used, batches=batches, optimizer=optimizer, state=state, mngr=mngr)
 
 
@@ -293,15 +302,31 @@ def save(mngr: ocp.CheckpointManager, state: dict) -> None:
 
 
 def train(run: RunConfig, *, stop_after: int | None = None, progress: bool = True) -> dict:
-    """Train until `run.steps` (or `stop_after` more steps). Returns the final state and losses."""
+    """Train the target until `run.steps` (or `stop_after` more steps). Returns the final state
+    and this call's losses."""
+    s = setup(run)
+    step_fn = make_train_step(s["config"], run.steps, run.lr, run.warmup, run.weight_qat)
+    eval_fn = make_eval(s["config"], run.weight_qat)
+    held = HeldOut(run, s) if run.eval_every else None
+
+    def evaluate(params) -> dict:
+        eval_params = held.params(params)
+        return {"heldout_loss": float(np.mean([float(eval_fn(eval_params, b)) for b in held.batches]))}
+
+    out = run_loop(run, s["state"], s["mngr"], step_fn, s["batches"].get, "metrics.jsonl",
+                   evaluate if held is not None else None, stop_after=stop_after, progress=progress)
+    return {**out, "setup": s}
+
+
+def run_loop(run: RunConfig, state: dict, mngr: ocp.CheckpointManager, step_fn, get_batch, metrics_name: str,
+             evaluate=None, *, stop_after: int | None = None, progress: bool = True) -> dict:
+    """The training loop both phases share: `step_fn(params, opt_state, batch) -> (params,
+    opt_state, loss)` on `get_batch(step)`, a progress bar, one JSON line of metrics per step,
+    `evaluate(params) -> dict` every `run.eval_every` steps, a checkpoint every
+    `run.ckpt_minutes` and at the end (also after SIGTERM, when `progress`)."""
     from tqdm import tqdm
 
-    s = setup(run)
-    config, state, mngr, batches = s["config"], s["state"], s["mngr"], s["batches"]
-    step_fn = make_train_step(config, run.steps, run.lr, run.warmup, run.weight_qat)
-    eval_fn = make_eval(config, run.weight_qat)
-    held = HeldOut(run, s) if run.eval_every else None
-    metrics = open(pathlib.Path(run.out) / "metrics.jsonl", "a")
+    metrics = open(pathlib.Path(run.out) / metrics_name, "a")
     stop = {"now": False}
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True)) if progress else None
     end = run.steps if stop_after is None else min(run.steps, state["step"] + stop_after)
@@ -313,7 +338,7 @@ def train(run: RunConfig, *, stop_after: int | None = None, progress: bool = Tru
     try:
         while state["step"] < end and not stop["now"]:
             t0, c0 = time.monotonic(), time.process_time()
-            batch = batches.get(state["step"])
+            batch = get_batch(state["step"])
             params, opt_state, loss = step_fn(params, opt_state, batch)
             loss = float(loss)
             state["step"] += 1
@@ -324,9 +349,8 @@ def train(run: RunConfig, *, stop_after: int | None = None, progress: bool = Tru
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}", refresh=False)
             record = {"step": state["step"], "loss": loss, "tok_s": round(tokens_per_step / dt, 1),
                       "cpu_s": round(time.process_time() - c0, 2), "wall_s": round(dt, 2), "time": time.time()}
-            if held is not None and state["step"] % run.eval_every == 0:
-                eval_params = held.params(params)
-                record["heldout_loss"] = float(np.mean([float(eval_fn(eval_params, b)) for b in held.batches]))
+            if evaluate is not None and run.eval_every and state["step"] % run.eval_every == 0:
+                record.update(evaluate(params))
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if time.monotonic() - last_ckpt > 60 * run.ckpt_minutes:
@@ -340,7 +364,7 @@ def train(run: RunConfig, *, stop_after: int | None = None, progress: bool = Tru
         metrics.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    return {"state": state, "losses": losses, "setup": s}
+    return {"state": state, "losses": losses}
 
 
 def parse_args(argv=None) -> RunConfig:
@@ -360,18 +384,26 @@ def parse_args(argv=None) -> RunConfig:
 
 def main(argv=None) -> None:
     run = parse_args(argv)
+    if run.phase not in ("target", "drafter"):
+        raise SystemExit(f"--phase must be target or drafter, got {run.phase!r}")
     out = pathlib.Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
-    saved = out / "run.json"
+    saved = out / ("run.json" if run.phase == "target" else "run-drafter.json")
     if saved.is_file():  # a resumed run must keep the settings that fix its data order and schedule
         before = json.loads(saved.read_text())
         fixed = ("steps", "batch", "seq_len", "lr", "warmup", "seed", "model", "weight_qat", "max_train_tokens",
-                 "corpus_root")
-        diff = {k: (before.get(k), getattr(run, k)) for k in fixed if before.get(k) != getattr(run, k)}
+                 "corpus_root", "anchors")
+        diff = {k: (before.get(k, getattr(run, k)), getattr(run, k)) for k in fixed
+                if before.get(k, getattr(run, k)) != getattr(run, k)}
         if diff:
             raise SystemExit(f"{saved}: settings differ from the run being resumed (saved, given): {diff}")
     saved.write_text(json.dumps(dataclasses.asdict(run), indent=1))
-    result = train(run)
+    if run.phase == "drafter":
+        import train_drafter
+
+        result = train_drafter.train_drafter(run)
+    else:
+        result = train(run)
     print(json.dumps({"step": result["state"]["step"], "last_loss": result["losses"][-1] if result["losses"] else None}))
 
 

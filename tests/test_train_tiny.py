@@ -4,6 +4,7 @@ resumed from its orbax checkpoint continues exactly as an uninterrupted one."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -19,6 +20,7 @@ SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # the scripts are not part of the package; import them by path
 
 import train_data  # noqa: E402
+import train_drafter  # noqa: E402
 import train_tiny  # noqa: E402
 
 
@@ -67,13 +69,19 @@ def _run(out: pathlib.Path, corpus: pathlib.Path, eval_every: int = 0) -> train_
                                 corpus_root=str(corpus))
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, corpus) -> dict:
+    """Six uninterrupted steps of the 5-layer test model, with a held-out loss every 3 steps."""
+    out = tmp_path_factory.mktemp("whole")
+    return {**train_tiny.train(_run(out, corpus, eval_every=3), progress=False), "out": out}
+
+
 @pytest.mark.slow
-def test_loss_falls_and_resume_continues_exactly(tmp_path, corpus):
-    whole = train_tiny.train(_run(tmp_path / "whole", corpus, eval_every=3), progress=False)
+def test_loss_falls_and_resume_continues_exactly(tmp_path, corpus, whole):
     losses = whole["losses"]
     assert len(losses) == 6 and all(np.isfinite(losses))
     assert np.mean(losses[-2:]) < losses[0] - 0.5, losses
-    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (whole["out"] / "metrics.jsonl").read_text().splitlines()]
     held = [r["heldout_loss"] for r in records if "heldout_loss" in r]  # heapq.py is held out
     assert len(held) == 2 and all(np.isfinite(held)) and held[1] < held[0], held
 
@@ -86,3 +94,37 @@ def test_loss_falls_and_resume_continues_exactly(tmp_path, corpus):
     a, b = whole["state"]["params"], second["state"]["params"]
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
+def test_dspark_terms_match_explicit_full_vocabulary_distributions():
+    """TV, CE and the acceptance target over U plus the zero-logit tail equal the same terms
+    computed on explicit full-vocabulary distributions."""
+    rng = np.random.default_rng(2)
+    V, U = 50, 12
+    d, t = rng.standard_normal((2, 3, U)), rng.standard_normal((2, 3, U))
+    truth = rng.integers(0, U, (2, 3))
+    conf = rng.uniform(0.1, 0.9, (2, 3))
+    got = train_drafter.dspark_terms(jnp.asarray(d), jnp.asarray(t), jnp.asarray(truth), jnp.asarray(conf), V - U)
+    pad = np.zeros((2, 3, V - U))
+    pd = np.asarray(jax.nn.softmax(np.concatenate([d, pad], -1)))
+    pt = np.asarray(jax.nn.softmax(np.concatenate([t, pad], -1)))
+    tv = 0.5 * np.abs(pd - pt).sum(-1)
+    np.testing.assert_allclose(np.asarray(got["tv"]), tv, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got["ce"]), -np.log(np.take_along_axis(pd, truth[..., None], -1)[..., 0]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got["accept"]), 1 - tv, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_drafter_phase_loss_falls_on_the_frozen_target(whole):
+    run = dataclasses.replace(_run(whole["out"], pathlib.Path(whole["setup"]["meta"]["key"]["root"])),
+                              phase="drafter", steps=5, anchors=4, warmup=1)
+    before = jax.tree.map(np.asarray, whole["state"]["params"])
+    result = train_drafter.train_drafter(run, progress=False,
+                                         target_setup=(whole["setup"], whole["state"]["params"]))
+    losses = result["losses"]
+    assert len(losses) == 5 and all(np.isfinite(losses))
+    assert np.mean(losses[-2:]) < losses[0], losses
+    after = {k: result["target"][k] for k in before}  # the target stays frozen
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, np.asarray(b))
