@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import pathlib
 
 import jax
@@ -43,12 +42,7 @@ def init_drafter_params(config: ModelConfig, used_ids: np.ndarray, seed: int) ->
     markov = mtp[-1]["markov_head"]
     markov["embed"] = markov["embed"][ids]
     markov["head"] = jnp.zeros((len(used_ids), config.dspark_markov_rank), markov["head"].dtype)
-    shrink = 1.0 / math.sqrt(2 * len(mtp))
-    for bp in mtp:
-        bp["attn"]["wo_b"] = bp["attn"]["wo_b"] * shrink
-        bp["ffn"]["experts"]["w2"] = bp["ffn"]["experts"]["w2"] * shrink
-        if "shared_experts" in bp["ffn"]:
-            bp["ffn"]["shared_experts"]["w2"] = bp["ffn"]["shared_experts"]["w2"] * shrink
+    tt.shrink_output_projections(mtp)
     return mtp
 
 

@@ -69,20 +69,25 @@ def model_config(model: str = "tiny") -> ModelConfig:
 def init_train_params(config: ModelConfig, used_ids: np.ndarray, seed: int) -> dict:
     """Trainable float32 params of the target: `init_params` without the drafter blocks, with
     `embed` / `head` reduced to the rows of `used_ids`, and a training-friendly scaling:
-    the output projections of each sublayer shrink by 1/sqrt(2 * layers), so the residual
-    stream grows gently through the layers instead of by O(1) per sublayer."""
+    the output projections shrink (`shrink_output_projections`)."""
     full = init_params(config, seed)
     full.pop("mtp", None)
     params = jax.tree.map(lambda a: a, full)
     params["embed"] = full["embed"][jnp.asarray(used_ids)]
     params["head"] = full["head"][jnp.asarray(used_ids)]
-    shrink = 1.0 / math.sqrt(2 * config.num_hidden_layers)
-    for lp in params["layers"]:
-        lp["attn"]["wo_b"] = lp["attn"]["wo_b"] * shrink
-        lp["ffn"]["experts"]["w2"] = lp["ffn"]["experts"]["w2"] * shrink
-        if "shared_experts" in lp["ffn"]:
-            lp["ffn"]["shared_experts"]["w2"] = lp["ffn"]["shared_experts"]["w2"] * shrink
+    shrink_output_projections(params["layers"])
     return params
+
+
+def shrink_output_projections(blocks: list) -> None:
+    """Scale each block's sublayer output projections (attention `wo_b`, experts' `w2`) by
+    1/sqrt(2 * blocks), in place: the residual stream then grows gently through the blocks."""
+    shrink = 1.0 / math.sqrt(2 * len(blocks))
+    for bp in blocks:
+        bp["attn"]["wo_b"] = bp["attn"]["wo_b"] * shrink
+        for name in ("experts", "shared_experts"):
+            if name in bp["ffn"]:
+                bp["ffn"][name]["w2"] = bp["ffn"][name]["w2"] * shrink
 
 
 def export_params(params: dict, config: ModelConfig, used_ids: np.ndarray, seed: int) -> dict:
@@ -343,10 +348,11 @@ def run_loop(run: RunConfig, state: dict, mngr: ocp.CheckpointManager, step_fn, 
             loss = float(loss)
             state["step"] += 1
             dt = time.monotonic() - t0
-            rate = tokens_per_step / dt if rate is None else 0.9 * rate + 0.1 * tokens_per_step / dt
+            if losses:  # the first step of a process includes compiling the step
+                rate = tokens_per_step / dt if rate is None else 0.9 * rate + 0.1 * tokens_per_step / dt
             losses.append(loss)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s="-" if rate is None else f"{rate:.0f}", refresh=False)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}", refresh=False)
             record = {"step": state["step"], "loss": loss, "tok_s": round(tokens_per_step / dt, 1),
                       "cpu_s": round(time.process_time() - c0, 2), "wall_s": round(dt, 2), "time": time.time()}
             if evaluate is not None and run.eval_every and state["step"] % run.eval_every == 0:
@@ -404,7 +410,8 @@ def main(argv=None) -> None:
         result = train_drafter.train_drafter(run)
     else:
         result = train(run)
-    print(json.dumps({"step": result["state"]["step"], "last_loss": result["losses"][-1] if result["losses"] else None}))
+    last = result["losses"][-1] if result["losses"] else None
+    print(json.dumps({"phase": run.phase, "step": result["state"]["step"], "last_loss": last}))
 
 
 if __name__ == "__main__":
