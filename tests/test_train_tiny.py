@@ -19,6 +19,7 @@ import pytest
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # the scripts are not part of the package; import them by path
 
+import baselines  # noqa: E402
 import train_data  # noqa: E402
 import train_drafter  # noqa: E402
 import train_tiny  # noqa: E402
@@ -51,6 +52,15 @@ def test_held_out_split_is_by_module_and_deterministic():
     assert held == [f for f in files if train_data.is_held_out(f)]
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     assert not any("site-packages" in f or "/test/" in f"/{f}" for f in train_data.source_files(root))
+
+
+def test_count_baselines_are_normalized_distributions():
+    """For every context the bigram (and the unigram) probabilities over the vocabulary sum to 1,
+    seen and unseen contexts alike."""
+    train = np.array([0, 1, 2, 1, 2, 3, 1, 0, 1, 2])
+    for v in range(6):
+        probs = [np.exp(-np.array(baselines.bigram_nll(train, np.array([v, w]), vocab=6))) for w in range(6)]
+        np.testing.assert_allclose(np.sum(probs, axis=0), [1.0, 1.0], rtol=1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +138,33 @@ def test_drafter_phase_loss_falls_on_the_frozen_target(whole):
     after = {k: result["target"][k] for k in before}  # the target stays frozen
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, np.asarray(b))
+
+
+@pytest.mark.slow
+def test_exported_model_scores_what_training_scored_and_the_checkpoint_stores_its_rounding(whole, tmp_path):
+    """The full-vocabulary export (U rows trained, other head rows zero) gives the training
+    loss through the ordinary forward, and the official checkpoint stores exactly the FP8/FP4
+    values the weight QAT trained with."""
+    from deepinfer.model.checkpoint import load_checkpoint, write_checkpoint
+    from deepinfer.model.forward import forward
+    from deepinfer.model.params import FP4, FP8, FP8_ROWS, param_specs, tree_get
+
+    s, params = whole["setup"], whole["state"]["params"]
+    config, used = s["config"], s["used"]
+    batch = s["batches"].get(0)
+    u_nll = float(train_tiny.u_loss(params, config, batch["inputs"], batch["hash_ids"], batch["targets"]))
+    exported = train_tiny.export_params(params, config, used, 0)
+    seen = train_tiny.weight_qat(exported, config)
+    ids = np.asarray(used)[batch["inputs"]]
+    logits = forward(seen, config, ids, hash_ids=batch["hash_ids"])
+    truth = np.asarray(used)[batch["targets"]]
+    full_nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)), truth[..., None], -1).mean()
+    np.testing.assert_allclose(full_nll, u_nll, rtol=1e-4)  # fp32 sums over 129k vs 23k logits
+
+    write_checkpoint(exported, config, tmp_path / "ckpt")
+    _, loaded = load_checkpoint(tmp_path / "ckpt", dequantize=True, dtype="float32")
+    quantized = [sp for sp in param_specs(config, include_mtp=False) if sp.storage in (FP8, FP8_ROWS, FP4)]
+    assert quantized
+    for spec in quantized:
+        np.testing.assert_array_equal(np.asarray(tree_get(loaded, spec.path)), np.asarray(tree_get(seen, spec.path)),
+                                      err_msg=spec.name)
