@@ -195,3 +195,42 @@ def train_drafter(run: tt.RunConfig, *, stop_after: int | None = None, progress:
     out = tt.run_loop(run, state, mngr, lambda p, o, b: jitted(p, o, b, target), get_batch, "metrics-drafter.jsonl",
                       stop_after=stop_after, progress=progress)
     return {**out, "noise_u": noise_u, "target": target, "setup": s}
+
+
+# ---- Sequential Temperature Scaling of the confidence head ---------------------------------
+
+
+def cumulative_ece(pred: np.ndarray, label: np.ndarray, bins: int = 10) -> float:
+    """Expected calibration error of predictions in [0, 1] against (soft) labels, equal-width bins."""
+    pred, label = np.asarray(pred, np.float64).ravel(), np.asarray(label, np.float64).ravel()
+    which = np.minimum((pred * bins).astype(int), bins - 1)
+    err = 0.0
+    for b in range(bins):
+        sel = which == b
+        if sel.any():
+            err += sel.sum() / pred.size * abs(pred[sel].mean() - label[sel].mean())
+    return err
+
+
+def fit_sts(conf_logits: np.ndarray, accept: np.ndarray, grid: np.ndarray | None = None) -> dict:
+    """Sequential Temperature Scaling (engine-features.md §2.2): left to right, position k's
+    temperature is the grid value minimising the ECE of the cumulative product
+    `prod_{i<=k} sigmoid(z_i / T_i)` against the cumulative acceptance `prod_{i<=k} accept_i`
+    (analytic rates, soft labels), earlier temperatures fixed. `conf_logits`, `accept`: `[n, N]`.
+    Returns the temperatures and the per-position ECE before and after."""
+    z, a = np.asarray(conf_logits, np.float64), np.asarray(accept, np.float64)
+    grid = np.exp(np.linspace(np.log(0.25), np.log(8.0), 61)) if grid is None else np.asarray(grid)
+    sig = lambda x: 1.0 / (1.0 + np.exp(-x))  # noqa: E731
+    labels = np.cumprod(a, axis=1)
+    temps, before, after = [], [], []
+    prefix = np.ones(z.shape[0])
+    raw_prefix = np.ones(z.shape[0])
+    for k in range(z.shape[1]):
+        raw_prefix = raw_prefix * sig(z[:, k])
+        before.append(cumulative_ece(raw_prefix, labels[:, k]))
+        errs = [cumulative_ece(prefix * sig(z[:, k] / t), labels[:, k]) for t in grid]
+        best = int(np.argmin(errs))
+        temps.append(float(grid[best]))
+        after.append(float(errs[best]))
+        prefix = prefix * sig(z[:, k] / grid[best])
+    return {"temperatures": temps, "ece_before": before, "ece_after": after}

@@ -168,3 +168,16 @@ def test_exported_model_scores_what_training_scored_and_the_checkpoint_stores_it
     for spec in quantized:
         np.testing.assert_array_equal(np.asarray(tree_get(loaded, spec.path)), np.asarray(tree_get(seen, spec.path)),
                                       err_msg=spec.name)
+
+
+def test_sts_fixes_an_overconfident_head_and_keeps_a_calibrated_one():
+    """Confidences that are sharpened versions of the true acceptance rates (logits x 3) get
+    temperatures near 3 and a much lower ECE; calibrated ones keep T near 1."""
+    rng = np.random.default_rng(3)
+    rates = rng.uniform(0.05, 0.95, (4000, 5))
+    logit = np.log(rates / (1 - rates))
+    over = train_drafter.fit_sts(3 * logit, rates)
+    assert all(2.5 < t < 3.5 for t in over["temperatures"]), over
+    assert all(a < 0.2 * b for a, b in zip(over["ece_after"], over["ece_before"])), over
+    calibrated = train_drafter.fit_sts(logit, rates)
+    assert all(0.85 < t < 1.15 for t in calibrated["temperatures"]), calibrated
