@@ -93,7 +93,7 @@ def anchor_positions(step: int, seed: int, batch: int, anchors: int, seq_len: in
 
 def drafter_forward(mtp: list, target: dict, config: ModelConfig, inputs_u: jax.Array, hash_ids, anchors: jax.Array,
                     noise_u: int, use_weight_qat: bool):
-    """(draft logits over U `[B*A, N, U]`, confidence `[B*A, N]`, target logits `[B*A, N, U]`,
+    """(draft logits over U `[B*A, N, U]`, confidence logits (pre-sigmoid) `[B*A, N]`, target logits `[B*A, N, U]`,
     ground truth / previous tokens `[B*A, N]` as U indices) for anchors `[B, A]`."""
     B, T = inputs_u.shape
     A, N, W = anchors.shape[1], config.dspark_block_size, config.sliding_window
@@ -122,19 +122,20 @@ def drafter_forward(mtp: list, target: dict, config: ModelConfig, inputs_u: jax.
     m = gather_rows(last["markov_head"]["embed"], prev, jnp.float32)  # [B*A, N, r]
     logits = base + linear(m, last["markov_head"]["head"])
     proj = last["confidence_head"]["proj"]
-    confidence = jax.nn.sigmoid(linear(jnp.concatenate([hidden.astype(jnp.float32), m], axis=-1), proj)[..., 0])
+    conf_logit = linear(jnp.concatenate([hidden.astype(jnp.float32), m], axis=-1), proj)[..., 0]
     t_sel = jnp.take_along_axis(t_logits, offsets.reshape(B, A * N)[..., None], axis=1).reshape(B * A, N, -1)
-    return logits, confidence, t_sel, offsets
+    return logits, conf_logit, t_sel, offsets
 
 
 def drafter_loss(mtp, target, config, batch, noise_u: int, use_weight_qat: bool):
-    logits, conf, t_logits, offsets = drafter_forward(mtp, target, config, batch["inputs"], batch.get("hash_ids"),
-                                                      batch["anchors"], noise_u, use_weight_qat)
+    logits, conf_logit, t_logits, offsets = drafter_forward(mtp, target, config, batch["inputs"],
+                                                            batch.get("hash_ids"), batch["anchors"], noise_u,
+                                                            use_weight_qat)
     B = batch["inputs"].shape[0]
-    truth = jnp.take_along_axis(batch["targets"], offsets.reshape(B, -1), axis=1).reshape(conf.shape)
+    truth = jnp.take_along_axis(batch["targets"], offsets.reshape(B, -1), axis=1).reshape(conf_logit.shape)
     n_rest = config.vocab_size - target["head"].shape[0]
-    terms = dspark_terms(logits, t_logits, jnp.maximum(truth, 0), conf, n_rest)
-    return dspark_loss(terms), terms
+    terms = dspark_terms(logits, t_logits, jnp.maximum(truth, 0), jax.nn.sigmoid(conf_logit), n_rest)
+    return dspark_loss(terms), {**terms, "conf_logit": conf_logit}
 
 
 @functools.lru_cache(maxsize=4)
@@ -168,6 +169,14 @@ def load_target(run: tt.RunConfig) -> tuple[dict, dict]:
     return s, s["state"]["params"]
 
 
+def drafter_state(run: tt.RunConfig, config: ModelConfig, used: np.ndarray):
+    """(the drafter's initial or latest checkpointed state, its checkpoint manager)."""
+    optimizer = tt.make_optimizer(run.steps, run.lr, run.warmup)
+    mtp = init_drafter_params(config, used, run.seed)
+    mngr = tt.checkpoint_manager(run, "ckpt-drafter")
+    return tt.restore_latest(mngr, {"params": mtp, "opt_state": optimizer.init(mtp), "step": 0}), mngr
+
+
 def train_drafter(run: tt.RunConfig, *, stop_after: int | None = None, progress: bool = True,
                   target_setup: tuple[dict, dict] | None = None) -> dict:
     """Phase drafter: train `mtp.*` on the frozen target of `run.out` (checkpoints in
@@ -180,11 +189,7 @@ def train_drafter(run: tt.RunConfig, *, stop_after: int | None = None, progress:
     target = {**target, "noise_row": init_params(config, run.seed)["embed"][noise]}
     tokens = s["batches"].tokens
     batches = tt.Batches(tokens, used, config, run.seq_len, run.batch, run.seed + 1)
-    optimizer = tt.make_optimizer(run.steps, run.lr, run.warmup)
-    mtp = init_drafter_params(config, used, run.seed)
-    state = tt.restore_latest(tt.checkpoint_manager(run, "ckpt-drafter"),
-                              {"params": mtp, "opt_state": optimizer.init(mtp), "step": 0})
-    mngr = tt.checkpoint_manager(run, "ckpt-drafter")
+    state, mngr = drafter_state(run, config, used)
     jitted = make_drafter_step(config, run.steps, run.lr, run.warmup, run.weight_qat, noise_u)
 
     def get_batch(step: int) -> dict:
@@ -234,3 +239,38 @@ def fit_sts(conf_logits: np.ndarray, accept: np.ndarray, grid: np.ndarray | None
         after.append(float(errs[best]))
         prefix = prefix * sig(z[:, k] / grid[best])
     return {"temperatures": temps, "ece_before": before, "ece_after": after}
+
+
+def sts_phase(run: tt.RunConfig, *, target_setup: tuple[dict, dict] | None = None) -> dict:
+    """`--phase sts`: run the trained drafter on the fixed held-out windows (`run.anchors` blocks
+    each, scored like the exported model: tokens outside U at their seeded rows), fit STS on the
+    analytic acceptance rates, write RUN_DIR/sts.json."""
+    s, target = target_setup or load_target(run)
+    config, used = s["config"], s["used"]
+    state, _ = drafter_state(run, config, used)
+    if state["step"] < run.steps:
+        raise SystemExit(f"the drafter in {run.out} is at step {state['step']} of {run.steps}: finish phase drafter")
+    held = tt.HeldOut(run, s)
+    ext = held.params(target)
+    n_extra = ext["embed"].shape[0] - len(used)
+    init = init_params(config, run.seed)
+    noise = config.dspark_noise_token_id
+    noise_u = int(held.to_u[noise]) if held.to_u[noise] >= 0 else ext["embed"].shape[0]
+    ext["noise_row"] = init["embed"][noise]
+    mtp = jax.tree.map(lambda a: a, state["params"])
+    markov = mtp[-1]["markov_head"]
+    extra_ids = jnp.asarray(held.extra_ids)
+    markov["embed"] = jnp.concatenate([markov["embed"], init["mtp"][-1]["markov_head"]["embed"][extra_ids]])
+    markov["head"] = jnp.concatenate([markov["head"], jnp.zeros((n_extra, markov["head"].shape[1]))])
+    fn = jax.jit(lambda m, t, b: drafter_loss(m, t, config, b, noise_u, run.weight_qat)[1])
+    logits, accept = [], []
+    for i, b in enumerate(held.batches):
+        b = dict(b, anchors=anchor_positions(i, run.seed + 99, b["inputs"].shape[0], run.anchors, run.seq_len,
+                                             config.dspark_block_size))
+        terms = fn(mtp, ext, b)
+        logits.append(np.asarray(terms["conf_logit"]))
+        accept.append(np.asarray(terms["accept"]))
+    fitted = fit_sts(np.concatenate(logits), np.concatenate(accept))
+    fitted["blocks"] = int(sum(len(x) for x in logits))
+    (pathlib.Path(run.out) / "sts.json").write_text(json.dumps(fitted, indent=1))
+    return fitted

@@ -13,7 +13,15 @@ their logits are exactly 0 and the full softmax denominator is `sum_U exp(l) + N
 which `u_loss` computes without the other rows. Embedding rows outside U keep their seeded init.
 
 Run: `python scripts/train_tiny.py --out RUN_DIR [--steps N ...]`; rerunning the same command
-resumes from the last checkpoint in RUN_DIR/ckpt.
+resumes from the last checkpoint in RUN_DIR/ckpt (SIGTERM saves one before exiting). Then
+`--phase drafter` trains the DSpark drafter on the finished target and `--phase sts` (with the
+drafter's settings) fits its confidence temperatures (`train_drafter.py`).
+
+Shipping (not done here): `export_params` / `train_drafter.export_drafter` give full-vocabulary
+dense params; `deepinfer.model.checkpoint.write_checkpoint` stores them in the official format,
+rounding FP8/FP4 tensors exactly as the weight QAT did (tests/test_train_tiny.py checks it bit for
+bit) and the rest to bf16/f32. Only U rows of embed/head/Markov head and the layers differ from
+the seeded init, which is what a compact shipped file needs to store.
 """
 
 from __future__ import annotations
@@ -241,7 +249,7 @@ class RunConfig:
     eval_windows: int = 16
     max_train_tokens: int = 0  # > 0: use only the first N train tokens (tests)
     corpus_root: str = ""  # a directory of .py files instead of the standard library (tests)
-    phase: str = "target"  # target | drafter (train_drafter.py; needs the finished target in `out`)
+    phase: str = "target"  # target | drafter | sts (train_drafter.py; need the finished earlier phase)
     anchors: int = 16  # drafter phase: draft blocks per sequence and step
 
 
@@ -288,11 +296,12 @@ class HeldOut:
         picks = np.linspace(0, n - 1, num=min(run.eval_windows, n)).astype(int) * run.seq_len
         ids = np.stack([np.asarray(held[p: p + run.seq_len + 1]) for p in picks]).astype(np.int32)
         b = s["batches"]
-        extra = np.setdiff1d(np.unique(ids), s["used"]).astype(np.int32)
-        to_u = b.to_u.copy()
-        to_u[extra] = len(s["used"]) + np.arange(len(extra), dtype=np.int32)
-        self.extra_embed = init_params(s["config"], run.seed)["embed"][jnp.asarray(extra)]
-        self.batches = [make_batch(ids[i: i + run.batch], to_u, b.hasher) for i in range(0, len(ids), run.batch)]
+        self.extra_ids = np.setdiff1d(np.unique(ids), s["used"]).astype(np.int32)
+        self.to_u = b.to_u.copy()
+        self.to_u[self.extra_ids] = len(s["used"]) + np.arange(len(self.extra_ids), dtype=np.int32)
+        self.extra_embed = init_params(s["config"], run.seed)["embed"][jnp.asarray(self.extra_ids)]
+        self.batches = [make_batch(ids[i: i + run.batch], self.to_u, b.hasher)
+                        for i in range(0, len(ids), run.batch)]
 
     def params(self, params: dict) -> dict:
         out = dict(params)
@@ -390,8 +399,8 @@ def parse_args(argv=None) -> RunConfig:
 
 def main(argv=None) -> None:
     run = parse_args(argv)
-    if run.phase not in ("target", "drafter"):
-        raise SystemExit(f"--phase must be target or drafter, got {run.phase!r}")
+    if run.phase not in ("target", "drafter", "sts"):
+        raise SystemExit(f"--phase must be target, drafter or sts, got {run.phase!r}")
     out = pathlib.Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
     saved = out / ("run.json" if run.phase == "target" else "run-drafter.json")
@@ -403,7 +412,13 @@ def main(argv=None) -> None:
                 if before.get(k, getattr(run, k)) != getattr(run, k)}
         if diff:
             raise SystemExit(f"{saved}: settings differ from the run being resumed (saved, given): {diff}")
-    saved.write_text(json.dumps(dataclasses.asdict(run), indent=1))
+    if run.phase != "sts":
+        saved.write_text(json.dumps(dataclasses.asdict(run), indent=1))
+    if run.phase == "sts":  # the drafter's settings (steps, seed, ...) with its held-out fit
+        import train_drafter
+
+        print(json.dumps(train_drafter.sts_phase(run)))
+        return
     if run.phase == "drafter":
         import train_drafter
 

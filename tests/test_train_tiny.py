@@ -139,6 +139,13 @@ def test_drafter_phase_loss_falls_on_the_frozen_target(whole):
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, np.asarray(b))
 
+    fitted = train_drafter.sts_phase(dataclasses.replace(run, eval_windows=2),
+                                     target_setup=(whole["setup"], whole["state"]["params"]))
+    N = whole["setup"]["config"].dspark_block_size
+    assert len(fitted["temperatures"]) == N and fitted["blocks"] == 2 * run.anchors
+    assert np.isfinite(fitted["ece_before"]).all() and fitted["ece_after"][0] <= fitted["ece_before"][0]
+    assert json.loads((whole["out"] / "sts.json").read_text()) == fitted
+
 
 @pytest.mark.slow
 def test_exported_model_scores_what_training_scored_and_the_checkpoint_stores_its_rounding(whole, tmp_path):
