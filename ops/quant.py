@@ -64,6 +64,7 @@ __all__ = [
     "dequantize_mxfp4",
     "fake_quant_fp8",
     "fake_quant_fp4",
+    "fake_quant_weight_fp8",
     "pack_fp4_kv",
     "unpack_fp4_kv",
     "pack_fp4_index",
@@ -352,7 +353,7 @@ def fake_quant_fp8(x, block: int = 32):
     x = jnp.asarray(x)
     if x.shape[-1] % block:
         return x
-    return _fake_quant_fp8_jit(x, block)
+    return _fake_quant_fp8_ste(x, block)
 
 
 @partial(jax.jit, static_argnums=1)
@@ -376,7 +377,7 @@ def fake_quant_fp4(x, block: int, e4m3_scales: bool):
     x = jnp.asarray(x)
     if x.shape[-1] % block:
         return x
-    return _fake_quant_fp4_jit(x, block, bool(e4m3_scales))
+    return _fake_quant_fp4_ste(x, block, bool(e4m3_scales))
 
 
 @partial(jax.jit, static_argnums=(1, 2))
@@ -384,6 +385,61 @@ def _fake_quant_fp4_jit(x, block, e4m3_scales):
     codes, scale, _ = _fp4_blocks(x, block, e4m3_scales, jnp)
     values = _e2m1_decode(codes, jnp).reshape(*x.shape[:-1], x.shape[-1] // block, block)
     return (values * scale[..., None]).reshape(x.shape).astype(x.dtype)
+
+
+# Straight-through estimators: the forward is the fake-quant itself (bit for bit), the backward
+# passes the cotangent unchanged. Without them training gets no useful gradient through the casts:
+# e2m1 codes come from comparisons (zero gradient) and the e4m3 cast would round the cotangent
+# itself to FP8 (small gradients flush to zero). Scales are treated as constants.
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _fake_quant_fp8_ste(x, block):
+    return _fake_quant_fp8_jit(x, block)
+
+
+_fake_quant_fp8_ste.defvjp(lambda x, block: (_fake_quant_fp8_jit(x, block), None),
+                           lambda block, _, g: (g,))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _fake_quant_fp4_ste(x, block, e4m3_scales):
+    return _fake_quant_fp4_jit(x, block, e4m3_scales)
+
+
+_fake_quant_fp4_ste.defvjp(lambda x, block, e4m3: (_fake_quant_fp4_jit(x, block, e4m3), None),
+                           lambda block, e4m3, _, g: (g,))
+
+
+def fake_quant_weight_fp8(w, block=(32, 32)):
+    """Device quantise-dequantise of a weight ``[..., n, k]`` exactly as `quantize_fp8_blocks`
+    then `dequantize_fp8_blocks` (2-D blocks, edge blocks use their real elements), with a
+    straight-through gradient: quantization-aware training of FP8-stored weights."""
+    return _fake_quant_weight_fp8_ste(jnp.asarray(w), _normalize_block(block))
+
+
+@partial(jax.jit, static_argnums=1)
+def _fake_quant_weight_fp8_jit(w, block):
+    bn, bk = block
+    n, k = w.shape[-2:]
+    wf = w.astype(jnp.float32)
+    padded = jnp.pad(wf, [(0, 0)] * (w.ndim - 2) + [(0, -n % bn), (0, -k % bk)])
+    nb, kb = padded.shape[-2] // bn, padded.shape[-1] // bk
+    blocks = padded.reshape(*w.shape[:-2], nb, bn, kb, bk)
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=(-3, -1)), _FP8_AMAX_FLOOR)
+    scale = exp2_int(pow2_ceil_exponent(amax * _INV_FP8_MAX, jnp), jnp)[..., :, None, :, None]
+    q = jnp.clip(blocks / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(jnp.float8_e4m3fn)
+    out = (q.astype(jnp.float32) * scale).reshape(padded.shape)[..., :n, :k]
+    return out.astype(w.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _fake_quant_weight_fp8_ste(w, block):
+    return _fake_quant_weight_fp8_jit(w, block)
+
+
+_fake_quant_weight_fp8_ste.defvjp(lambda w, block: (_fake_quant_weight_fp8_jit(w, block), None),
+                                  lambda block, _, g: (g,))
 
 
 # ----------------------------------------------------------------------------------------------

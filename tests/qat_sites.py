@@ -105,6 +105,9 @@ def _eval(jaxpr, consts, args, on_site):
         elif eqn.primitive.name in ("jit", "pjit"):
             inner = eqn.params["jaxpr"]
             outvals = _eval(inner.jaxpr, inner.consts, invals, on_site)
+        elif eqn.primitive.name == "custom_vjp_call":  # the quantizers' straight-through wrapper:
+            inner = eqn.params["call_jaxpr"]  # its forward is exactly the call inside
+            outvals = _eval(inner.jaxpr, inner.consts, invals, on_site)
         else:
             if _contains_site(eqn.params):
                 raise NotImplementedError(f"a QAT site inside `{eqn.primitive.name}` cannot be intercepted")
