@@ -5,7 +5,7 @@ with a progress bar showing loss and tokens/s.
 The model is the project's own (`deepinfer.model.forward.backbone` / `final_hidden`), every
 V4.1 mechanism on, QAT fake-quant on: the activation roundings of the release (`config.fake_quant`)
 and, with `--weight-qat` (default on), the FP8 / MXFP4 rounding the checkpoint writer applies
-to the stored weights, all with straight-through gradients (`deepinfer.model.quant`).
+to the stored weights, all with straight-through gradients (`deepinfer.ops.quant`).
 
 Vocabulary: the corpus uses a few tens of thousands of the 129,280 ids (set U). Training keeps
 embedding and head rows for U only; the head rows outside U are zero in the exported model, so
@@ -45,7 +45,7 @@ import orbax.checkpoint as ocp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import train_data  # noqa: E402  (the sibling script, also when imported from tests)
 
-from deepinfer.model import quant  # noqa: E402
+from deepinfer.ops import quant  # noqa: E402
 from deepinfer.model.config import TINY_V41, ModelConfig  # noqa: E402
 from deepinfer.model.engram_hash import hasher_for  # noqa: E402
 from deepinfer.model.forward import backbone, final_hidden  # noqa: E402
