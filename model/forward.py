@@ -4,6 +4,8 @@ decode steps are checked against this function."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -26,23 +28,72 @@ def mixes(lp: dict, site: str, streams: jax.Array, config: ModelConfig, kernels:
                     kernels=kernels)
 
 
+# The caller's attention over its context: `attend(layer, p, x)` -> y for the attention params `p`
+# and the normed site input `x` [B, T, D] (the full sequence: `attention_full`; the engine step:
+# the window ring, the chunk and the paged cache). None stops the walk after this input (compact
+# prefill below the replay floor runs only the first decoder layer's KV path).
+Attend = Callable[[int, dict, jax.Array], "jax.Array | None"]
+
+
+@dataclass
+class LayerWalk:
+    """What a walk over the layer schedule leaves: the final streams `[B, T, hc, D]`, the last FFN
+    site's `pre` (V4.1 collapses the output with it), the `stream_mean` of the streams entering
+    each `capture` layer, and int32 `[layers, experts]` counts of the live tokens routed to each
+    logical expert (rows of layers the walk did not reach stay 0)."""
+
+    streams: jax.Array
+    pre: jax.Array
+    captured: dict[int, jax.Array]
+    counts: jax.Array
+    stopped: bool = False
+
+
 def layer_forward(lp: dict, config: ModelConfig, layer: int, streams: jax.Array, pre: jax.Array,
-                  positions: jax.Array, token_ids: jax.Array, hash_ids: jax.Array | None, shared: dict,
-                  kernels: KernelConfig | None, seq: SequenceShards | None = None) -> tuple[jax.Array, jax.Array]:
-    """One block: [Engram] -> attention site -> FFN site. Returns (streams, this FFN site's pre).
-    `seq`: context-parallel shards (see `attention_full`); only attention mixes tokens.
+                  token_ids: jax.Array, hash_ids: jax.Array | None, attend: Attend,
+                  kernels: KernelConfig | None = None, *, live: jax.Array | None = None, ep=None):
+    """One block: [Engram] -> attention site -> FFN site. Returns (streams, this FFN site's pre,
+    routed counts), or None when `attend` stops the walk. `live` (bool `[B, T]`, None = all)
+    marks the tokens that count: padding shuts Engram's gate and is not routed or counted.
 
     V4.1 (single-pass mHC) collapses each site with the PREVIOUS site's `pre`; V4 with its own."""
     if layer in config.engram_layer_ids:
-        streams = engram(lp["engram"], config, streams, hash_ids[:, :, config.engram_layer_ids.index(layer)])
+        streams = engram(lp["engram"], config, streams, hash_ids[:, :, config.engram_layer_ids.index(layer)], live=live)
     a_pre, a_post, a_comb = mixes(lp, "attn", streams, config, kernels)
     x = rms_norm(hc_collapse(streams, a_pre if config.is_v4 else pre), lp["attn_norm"], config.rms_norm_eps)
-    y = attention_full(lp["attn"], config, layer, x, positions, shared, kernels, seq)
+    y = attend(layer, lp["attn"], x)
+    if y is None:
+        return None
     streams = hc_expand(y, streams, a_post, a_comb)
     f_pre, f_post, f_comb = mixes(lp, "ffn", streams, config, kernels)
     x = rms_norm(hc_collapse(streams, f_pre if config.is_v4 else a_pre), lp["ffn_norm"], config.rms_norm_eps)
-    y = moe(lp["ffn"], config, x, token_ids=token_ids, kernels=kernels)
-    return hc_expand(y, streams, f_post, f_comb), f_pre
+    y, counts = moe(lp["ffn"], config, x, token_ids=token_ids, kernels=kernels, ep=ep, live=live, return_counts=True)
+    return hc_expand(y, streams, f_post, f_comb), f_pre, counts
+
+
+def walk_layers(params: dict, config: ModelConfig, token_ids: jax.Array, hash_ids: jax.Array | None,
+                attend: Attend, kernels: KernelConfig | None = None, *,
+                live: Callable[[int], "jax.Array | None"] = lambda layer: None, ep=None,
+                capture: tuple[int, ...] = ()) -> LayerWalk:
+    """THE layer schedule: embed `[B, T]` tokens into the hc streams and run every layer. The full
+    forward, context-parallel prefill and the engine step differ only in `attend` (what the
+    attention sees) and `live(layer)` (which tokens count at that layer)."""
+    B, T = token_ids.shape
+    streams = embed_streams(params, config, token_ids)
+    pre = jax.nn.one_hot(jnp.zeros((B, T), jnp.int32), config.hc_mult, dtype=jnp.float32)
+    counts = jnp.zeros((config.num_hidden_layers, config.n_routed_experts), jnp.int32)
+    captured = {}
+    for layer in range(config.num_hidden_layers):
+        if layer in capture:
+            captured[layer] = stream_mean(streams)
+        with jax.named_scope(f"layer_{layer}"):
+            out = layer_forward(params["layers"][layer], config, layer, streams, pre, token_ids, hash_ids, attend,
+                                kernels, live=live(layer), ep=ep)
+        if out is None:
+            return LayerWalk(streams, pre, captured, counts, stopped=True)
+        streams, pre, layer_counts = out
+        counts = counts.at[layer].set(layer_counts)
+    return LayerWalk(streams, pre, captured, counts)
 
 
 def hc_head(p: dict, config: ModelConfig, streams: jax.Array) -> jax.Array:
@@ -75,24 +126,21 @@ def backbone(params: dict, config: ModelConfig, token_ids: jax.Array, hash_ids: 
              kernels: KernelConfig | None = None, *, positions: jax.Array | None = None,
              seq: SequenceShards | None = None,
              capture: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
-    """All layers over `[B, T]` tokens at positions 0..T-1: (streams `[B, T, hc, D]`, last pre,
-    `stream_mean` of the streams entering each layer in `capture`, in that order).
+    """All layers over `[B, T]` tokens at positions 0..T-1, attending over the whole sequence:
+    (streams `[B, T, hc, D]`, last pre, `stream_mean` of the streams entering each layer in
+    `capture`, in that order).
 
     Context parallel passes this rank's `positions` (-1 = padding) and `seq` (`attention_full`)."""
     B, T = token_ids.shape
-    streams = embed_streams(params, config, token_ids)
-    pre = jax.nn.one_hot(jnp.zeros((B, T), jnp.int32), config.hc_mult, dtype=jnp.float32)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     shared: dict = {}
-    captured = {}
-    for layer in range(config.num_hidden_layers):
-        if layer in capture:
-            captured[layer] = stream_mean(streams)
-        with jax.named_scope(f"layer_{layer}"):
-            streams, pre = layer_forward(params["layers"][layer], config, layer, streams, pre, positions,
-                                         token_ids, hash_ids, shared, kernels, seq)
-    return streams, pre, [captured[layer] for layer in capture]
+
+    def attend(layer: int, p: dict, x: jax.Array) -> jax.Array:
+        return attention_full(p, config, layer, x, positions, shared, kernels, seq)
+
+    walk = walk_layers(params, config, token_ids, hash_ids, attend, kernels, capture=capture)
+    return walk.streams, walk.pre, [walk.captured[layer] for layer in capture]
 
 
 @partial(jax.jit, static_argnames=("config", "kernels", "return_streams"))
@@ -150,6 +198,9 @@ def mtp_logits(params: dict, config: ModelConfig, streams: jax.Array, next_ids: 
     x = linear(e, mp["e_proj"])[..., None, :] + linear(h, mp["h_proj"])
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     pre = jnp.zeros((B, T, config.hc_mult), jnp.float32)  # unused: V4 collapses with each site's own pre
-    x, _ = layer_forward(mp, config, config.num_hidden_layers, x, pre, positions, next_ids, None, {}, kernels)
+    def attend(layer: int, p: dict, x: jax.Array) -> jax.Array:
+        return attention_full(p, config, layer, x, positions, {}, kernels)
+
+    x, _, _ = layer_forward(mp, config, config.num_hidden_layers, x, pre, next_ids, None, attend, kernels)
     h = rms_norm(hc_head(mp, config, x), mp["norm"], config.rms_norm_eps)
     return linear(h, params["head"]).astype(jnp.float32)

@@ -31,13 +31,10 @@ import jax.numpy as jnp
 from deepinfer.model import compressor, qat
 from deepinfer.model.attention import index_layer, output_projection, query, window_kv_unquantized, window_mask
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.engram import engram
 from deepinfer.model.drafter import context_input, context_kv
-from deepinfer.model.forward import embed_streams, final_hidden, mixes, stream_mean
+from deepinfer.model.forward import final_hidden, walk_layers
 from deepinfer.model.kv_cache import FLOAT, CacheLayout, KVCache, decode, encode, pending_sources
-from deepinfer.model.layers import compress_inv_freq, linear, rms_norm
-from deepinfer.model.mhc import hc_collapse, hc_expand
-from deepinfer.model.moe import moe
+from deepinfer.model.layers import compress_inv_freq, linear
 from deepinfer.model.params import compute_dtype
 from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
@@ -213,40 +210,26 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
     decoder_valid = valid & (positions >= batch.floor[:, None])
     decoder_write = _write_index(whole, whole_valid & (whole >= batch.floor[:, None]), W)
     st = _State(cache)
-    streams = embed_streams(params, config, batch.tokens)
-    B, T = batch.tokens.shape
-    pre = jax.nn.one_hot(jnp.zeros((B, T), jnp.int32), config.hc_mult, dtype=jnp.float32)
-    counts = jnp.zeros((config.num_hidden_layers, config.n_routed_experts), jnp.int32)
-    draft_means = {}
-    for layer in range(config.num_hidden_layers):
-        lp = params["layers"][layer]
+    B = batch.tokens.shape[0]
+
+    def attend(layer: int, p: dict, x: jax.Array) -> jax.Array | None:
+        if layer >= config.decoder_start and not decoder:  # compact prefill below the floor: the KV path only
+            _source_step(p, config, layout, layer, chunk.gather(x), chunk.whole, whole_valid, st, kernels)
+            return None
         in_decoder = layer >= config.decoder_start
-        if layout.draft_rings and layer in config.dspark_target_layer_ids:
-            draft_means[layer] = stream_mean(streams)
-        with jax.named_scope(f"layer_{layer}"):
-            if layer in config.engram_layer_ids:
-                ids = batch.hash_ids[:, :, config.engram_layer_ids.index(layer)]
-                streams = engram(lp["engram"], config, streams, ids, live=valid)
-            a_pre, a_post, a_comb = mixes(lp, "attn", streams, config, kernels)
-            x = rms_norm(hc_collapse(streams, pre), lp["attn_norm"], config.rms_norm_eps)
-            if in_decoder and not decoder:  # compact prefill below the floor: the KV path only
-                _source_step(lp["attn"], config, layout, layer, chunk.gather(x), chunk.whole, whole_valid, st, kernels)
-                break
-            live = decoder_valid if in_decoder else valid
-            y = _attention_step(lp["attn"], config, layout, layer, x, chunk, live, ring_pos,
-                                decoder_write if in_decoder else write_idx, st, kernels, whole_valid)
-            streams = hc_expand(y, streams, a_post, a_comb)
-            f_pre, f_post, f_comb = mixes(lp, "ffn", streams, config, kernels)
-            x = rms_norm(hc_collapse(streams, a_pre), lp["ffn_norm"], config.rms_norm_eps)
-            y, layer_counts = moe(lp["ffn"], config, x, token_ids=batch.tokens, kernels=kernels, ep=ep,
-                                  live=live, return_counts=True)
-            counts = counts.at[layer].set(layer_counts)
-            streams = hc_expand(y, streams, f_post, f_comb)
-            pre = f_pre
+        return _attention_step(p, config, layout, layer, x, chunk, decoder_valid if in_decoder else valid, ring_pos,
+                               decoder_write if in_decoder else write_idx, st, kernels, whole_valid)
+
+    def live(layer: int) -> jax.Array:
+        return decoder_valid if layer >= config.decoder_start else valid
+
+    capture = config.dspark_target_layer_ids if layout.draft_rings else ()
+    walk = walk_layers(params, config, batch.tokens, batch.hash_ids, attend, kernels, live=live, ep=ep,
+                       capture=capture)
+    streams, pre, counts = walk.streams, walk.pre, walk.counts
     if decoder and layout.draft_rings:
         with jax.named_scope("draft_rings"):
-            _write_draft_rings(params, config, layout, [draft_means[t] for t in config.dspark_target_layer_ids],
-                               chunk, decoder_write, st)
+            _write_draft_rings(params, config, layout, [walk.captured[t] for t in capture], chunk, decoder_write, st)
     st.window_pos = st.window_pos.at[batch.slots[:, None], write_idx].set(whole, mode="drop")
     if not decoder:
         return st.cache(), None, counts
