@@ -672,6 +672,7 @@ class LLM:
         shapes = pending_shapes(self.engine, max_len)
         if not shapes:
             return WarmupReport()
+        start = time.perf_counter()
         bar = self._progress_bar(use_tqdm, total=len(shapes), desc="Compiling step shapes", unit="shape").bar
         try:
             report = warm_up(self.engine, max_len=max_len,
@@ -679,7 +680,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        self.warmup_seconds += report.total_seconds
+            self.warmup_seconds += time.perf_counter() - start
         return report
 
     def _reach(self) -> int:
