@@ -3,18 +3,25 @@
 
     python benchmarks/throughput.py [--input-len 128] [--output-len 32] [--batch-sizes 1,8,32]
                                     [--contexts 1024,8192,32768] [--prefill-len 2048]
-                                    [--drafter-batch 8] [--prefill-rows 1]
+                                    [--drafter-batch 8] [--prefill-rows 1] [--no-start]
 
 Compile and warm-up time are excluded from every measured window (each shape runs once before
 it is timed) and printed separately. Lengths are fixed (range_ratio=0, vLLM semantics);
 `ignore_eos=True`, `temperature=1.0`, `top_p=1.0`. On a CPU these figures describe the
 reference (plain jnp) path, not accelerator kernels.
+
+Start-up: the wall time of the README's first command (`deepinfer generate --prompt ...`) in a new
+process, cold (an empty persistent compilation cache) and warm (the cache the cold run wrote).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -47,7 +54,7 @@ def _run(engine: LLMEngine, prompts, output_len: int, tag: str) -> tuple[float, 
 
 
 def bench_throughput(params, config, tokenizer, batch: int, input_len: int, output_len: int,
-                     drafter_context: bool = True, prefill_rows: int = 1) -> dict:
+                     drafter_context: bool = False, prefill_rows: int = 1) -> dict:
     budget = CacheBudget(num_slots=batch, max_model_len=input_len + output_len + 64, page_size=128)
     engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=512,
                                                                prefill_rows=prefill_rows,
@@ -89,6 +96,23 @@ def bench_decode_step(params, config, context: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def bench_start(prompt: str = "The capital of France is") -> tuple[float, float]:
+    """Seconds of `deepinfer generate --prompt PROMPT` in a new process with an empty compilation
+    cache, then again with the cache it wrote (the embedded checkpoint is written beforehand)."""
+    from deepinfer.serve.api.llm import ensure_default_checkpoint
+
+    ensure_default_checkpoint()
+    times = []
+    with tempfile.TemporaryDirectory() as cache:
+        argv = [sys.executable, "-m", "deepinfer.serve.cli", "generate", "--prompt", prompt,
+                "--compilation-cache", os.path.join(cache, "xla")]
+        for _ in range(2):
+            start = time.perf_counter()
+            subprocess.run(argv, check=True, capture_output=True)
+            times.append(time.perf_counter() - start)
+    return times[0], times[1]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--input-len", type=int, default=128)
@@ -98,6 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--drafter-batch", type=int, default=8, help="batch of the drafter-context comparison (0: skip)")
     ap.add_argument("--prefill-rows", type=int, default=1, help="prompt chunks prefilled together per step")
+    ap.add_argument("--no-start", action="store_true", help="skip the cold/warm start-up of `deepinfer generate`")
     args = ap.parse_args(argv)
 
     config = load_config("tiny-v4.1")
@@ -140,6 +165,10 @@ def main(argv=None) -> int:
         t = bench_decode_step(params, config, context)
         base = base or t
         print(f"{context:7d}  {t * 1e3:16.2f}  {t / base:8.2f}x")
+    if not args.no_start:
+        cold, warm = bench_start()
+        print(f"\nStart-up of `deepinfer generate --prompt ...` (new process, wall): {cold:.1f} s cold "
+              f"(empty compilation cache), {warm:.1f} s warm (persistent cache)")
     return 0
 
 

@@ -25,7 +25,8 @@ This module is the only place that reads `DEEPINFER_*` environment variables. It
 in `main`, and turns them into argument defaults; everything below receives explicit values.
 Currently read:
 
-    DEEPINFER_COMPILATION_CACHE             default for `--compilation-cache` (JAX persistent compile cache)
+    DEEPINFER_COMPILATION_CACHE             default for `--compilation-cache` (JAX persistent compile cache;
+                                            else ~/.cache/deepinfer/xla; --no-compilation-cache: off)
     DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE  default for `--prefill-mode` (full | compact; else compact)
     DEEPINFER_YOCO_PREFILL_KEEP_TOKENS      default for `--keep-tokens` (else 140)
     DEEPINFER_MESH                          default for `--mesh` (else one device)
@@ -220,13 +221,24 @@ def _add_accelerator_option(p) -> None:
                         "Ascend PJRT plugin, reference kernels) or cpu (default: $DEEPINFER_ACCELERATOR, else auto)")
 
 
-def _enable_compilation_cache(directory: str | None) -> None:
-    if not directory:
-        return
-    import jax
+def _compilation_cache(args: argparse.Namespace) -> str | None:
+    """The persistent compilation cache directory of --compilation-cache / --no-compilation-cache
+    (default: $DEEPINFER_COMPILATION_CACHE, else ~/.cache/deepinfer/xla); None: off."""
+    from deepinfer.serve.compilation_cache import resolve_compilation_cache
 
-    jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if args.no_compilation_cache:
+        return None
+    try:
+        return resolve_compilation_cache(args.compilation_cache or True, "--compilation-cache")
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _add_compilation_cache_options(p, env: EnvDefaults) -> None:
+    p.add_argument("--compilation-cache", default=env.compilation_cache, metavar="DIR",
+                   help="JAX persistent compilation cache directory: a later run loads the compiled step "
+                        "shapes from there (default: $DEEPINFER_COMPILATION_CACHE, else ~/.cache/deepinfer/xla)")
+    p.add_argument("--no-compilation-cache", action="store_true", help="do not use a persistent compilation cache")
 
 
 # ---- subcommands ---------------------------------------------------------------------------
@@ -274,9 +286,12 @@ def cmd_forward(args: argparse.Namespace) -> int:
     elif not os.path.isdir(args.checkpoint):
         raise CliError(f"checkpoint directory {args.checkpoint!r} does not exist")
 
+    cache_dir = _compilation_cache(args)
     accelerator = _select_accelerator(args)
     device = accelerator.first_local_device
-    _enable_compilation_cache(args.compilation_cache)
+    from deepinfer.serve.compilation_cache import enable_compilation_cache
+
+    enable_compilation_cache(cache_dir)
     import jax
     import numpy as np
 
@@ -385,7 +400,7 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_chunk": args.prefill_chunk, "num_pages": args.num_pages, "fake_quant": not args.no_fake_quant,
         "dtype": args.dtype,
         "prefill_mode": mode, "keep_tokens": keep, "seed": args.seed if args.seed is not None else 0,
-        "accelerator": _accelerator_name(args),
+        "accelerator": _accelerator_name(args), "compilation_cache": _compilation_cache(args),
     }
     if args.tokenizer is not None:
         if not os.path.isfile(args.tokenizer):
@@ -408,7 +423,6 @@ def _make_llm(args: argparse.Namespace, **extra: Any):
     settings = _engine_settings(args)
     _check_model_arg(args)
     _start_distributed(args)
-    _enable_compilation_cache(args.compilation_cache)
     from deepinfer.serve.api.llm import LLM
 
     try:
@@ -528,11 +542,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(completion.text)
         print(f"--- {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}"
               + (f", stop_reason={completion.stop_reason!r}" if completion.stop_reason is not None else ""))
+    # the warm-up compiled every step shape before the first step; the speed is the steps' own
+    elapsed = max(elapsed - llm.warmup_seconds, 0.0)
     speed = n_gen / elapsed if elapsed > 0 else float("inf")
-    compile_s = sum(getattr(llm.engine.runner, "compile_seconds", {}).values())
+    print(f"compile : {len(llm.engine.warmed_shapes)} step shapes in {_seconds(llm.warmup_seconds)} before the "
+          f"first step (persistent cache: {llm.compilation_cache or 'off'})")
     print(f"speed   : {n_prompt} prompt + {n_gen} generated tokens in {_seconds(elapsed)}: "
-          f"{(n_prompt + n_gen) / elapsed if elapsed > 0 else 0:.1f} tokens/s, {speed:.1f} generated tokens/s"
-          + (f" (includes {_seconds(compile_s)} of first-call compilation)" if compile_s else ""))
+          f"{(n_prompt + n_gen) / elapsed if elapsed > 0 else 0:.1f} tokens/s, {speed:.1f} generated tokens/s")
     return 0
 
 
@@ -618,9 +634,7 @@ def _add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
     p.add_argument("--keep-tokens", type=int, default=None, metavar="N",
                    help=f"prompt rows kept for the decoder layers in compact mode, at least the sliding "
                         f"window (default: ${ENV_KEEP_TOKENS}, else {DEFAULT_KEEP_TOKENS})")
-    p.add_argument("--compilation-cache", default=env.compilation_cache, metavar="DIR",
-                   help="JAX persistent compilation cache directory "
-                        "(default: $DEEPINFER_COMPILATION_CACHE, else none)")
+    _add_compilation_cache_options(p, env)
     p.add_argument("--mesh", default=env.mesh, metavar="SPEC",
                    help="run on a device mesh, e.g. dp=2,cp=2,tp=1 (axes dp, cp, tp; the product is the "
                         "device count; a missing dp takes the devices left, so cp=2 on 8 devices is dp=4,cp=2), "
@@ -695,9 +709,7 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
                        help="skip the QAT fake-quantization of KV and indexer activations")
     p_fwd.add_argument("--dtype", choices=DTYPES, default=None,
                        help="activation dtype (default: the config's, float32 for tiny-v4.1)")
-    p_fwd.add_argument("--compilation-cache", default=env.compilation_cache, metavar="DIR",
-                       help="JAX persistent compilation cache directory "
-                            "(default: $DEEPINFER_COMPILATION_CACHE, else none)")
+    _add_compilation_cache_options(p_fwd, env)
     _add_accelerator_option(p_fwd)
     p_fwd.set_defaults(func=cmd_forward)
 

@@ -1,4 +1,5 @@
-"""Test-session setup: 8 virtual CPU devices and the CPU platform, before JAX is imported."""
+"""Test-session setup: 8 virtual CPU devices, the CPU platform and no persistent compilation cache,
+before JAX is imported."""
 
 import os
 
@@ -6,6 +7,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+# LLM() and the commands keep JAX's persistent compilation cache under ~/.cache/deepinfer/xla by
+# default: the suite (and the commands it starts) never writes the real home nor loads executables
+# from an earlier run; the tests of the cache turn it on, in their own directories
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
 import pytest  # noqa: E402
 

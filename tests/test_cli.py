@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from deepinfer.serve.cli import EnvDefaults, build_parser, main
+from deepinfer.serve.cli import CliError, EnvDefaults, build_parser, main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 129280
@@ -192,12 +192,23 @@ def test_convert_then_forward_from_checkpoint(capsys, tmp_path):
 # ---- environment and packaging ---------------------------------------------------------------
 
 
-def test_environment_is_read_only_through_env_defaults():
+def test_environment_is_read_only_through_env_defaults(tmp_path, monkeypatch):
+    from deepinfer.serve.cli import _compilation_cache
+
+    monkeypatch.setenv("HOME", str(tmp_path))
     env = EnvDefaults.from_environ({"DEEPINFER_COMPILATION_CACHE": "/tmp/jaxcache", "OTHER": "x"})
     args = build_parser(env).parse_args(["forward", "--preset", "tiny-v4.1", "--prompt", "x"])
-    assert args.compilation_cache == "/tmp/jaxcache"
-    args = build_parser(EnvDefaults.from_environ({})).parse_args(["forward", "--preset", "tiny-v4.1", "--prompt", "x"])
-    assert args.compilation_cache is None
+    assert args.compilation_cache == "/tmp/jaxcache" and _compilation_cache(args) == "/tmp/jaxcache"
+    for command in (["forward", "--preset", "tiny-v4.1", "--prompt", "x"], ["generate", "--prompt", "x"],
+                    ["run-batch", "-i", "a", "-o", "b"], ["serve"]):
+        args = build_parser(EnvDefaults.from_environ({})).parse_args(command)
+        assert args.compilation_cache is None  # on by default, under the home directory
+        assert _compilation_cache(args) == str(tmp_path / ".cache" / "deepinfer" / "xla")
+        assert _compilation_cache(build_parser(env).parse_args([*command, "--no-compilation-cache"])) is None
+    (tmp_path / "file").write_text("")
+    args = build_parser(env).parse_args(["generate", "--prompt", "x", "--compilation-cache", str(tmp_path / "file")])
+    with pytest.raises(CliError, match="--compilation-cache: .* is not a directory"):
+        _compilation_cache(args)
 
 
 def test_no_other_module_reads_deepinfer_environment_variables():
@@ -265,6 +276,7 @@ def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monke
     assert "--- prompt 1: 'Hello' (2 tokens)" in out
     assert out.count("--- 3 tokens, finish_reason=length") == 2
     assert re.search(r"^speed\s+: 8 prompt \+ 6 generated tokens in .* generated tokens/s", out, re.M), out
+    assert re.search(r"^compile\s+: \d+ step shapes in .* before the first step \(persistent cache: ", out, re.M), out
 
     # options win over the environment; --chat prints the content (and reasoning in thinking mode)
     code, out, err = run(capsys, "generate", "--chat", "Hi", "--max-tokens", "2", "--temperature", "0",

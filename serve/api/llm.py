@@ -20,6 +20,9 @@ What it adds on top of `LLMEngine`:
 * chat: conversations are rendered and encoded by `prepare_chat` for the model's type (the
   prompt gets exactly the template's BOS), generation stops on EOS, and the answer is parsed back
   into `text` (the content), `reasoning_content` and `tool_calls`;
+* compile once: before a call's first step, every step shape its requests can reach is compiled
+  (`warmup`), so a generation never stalls mid-stream on a new page bucket; JAX's persistent
+  compilation cache (`compilation_cache`, ~/.cache/deepinfer/xla) keeps them for the next process;
 * observability: a tqdm "Processed prompts" bar with the estimated input/output speed, vLLM's
   periodic `LoggingStatLogger` line (logger `deepinfer.llm`, INFO, at most every
   `log_stats_interval` seconds), `get_metrics()` with vLLM's metric names, and
@@ -50,8 +53,10 @@ from deepinfer.model import PRESETS, init_params, load_checkpoint, load_config, 
 from deepinfer.model.checkpoint import INDEX_FILE, single_device
 from deepinfer.pallas_kernels.accelerator import Accelerator, select_accelerator
 from deepinfer.serve.api.types import RequestOutput, SamplingParams
+from deepinfer.serve.compilation_cache import enable_compilation_cache, resolve_compilation_cache
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import PREFILL_MODES, EngineConfig, LLMEngine
+from deepinfer.serve.engine.warmup import WarmupReport, pending_shapes, warm_up
 from deepinfer.serve.text.chat import (
     ChatEncodingError,
     ChatOutputParser,
@@ -71,6 +76,7 @@ _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
     "prefill_chunk", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
     "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context", "accelerator",
+    "compilation_cache", "warmup",
 )
 
 
@@ -262,11 +268,20 @@ class LLM:
             steps a new layout of `eplb_slots` physical experts per layer (default: the experts plus
             one per device) is planned from the counted load and installed; None: off.
         drafter_context: keep the DSpark drafter's context (one window ring per draft block and
-            sequence, written every step) when the checkpoint has the drafter (`mtp.*`).
+            sequence, written every step) when the checkpoint has the drafter (`mtp.*`); only
+            speculative decoding reads it, so it is off by default.
         accelerator: "auto" (JAX's default backend), "cuda", "ascend" (a configured Ascend PJRT
             plugin, reference kernels) or "cpu": the devices of the params, cache and mesh, and
             the platform the kernels are chosen for. A backend JAX does not have is a
             `ValueError` saying what to install (`pallas_kernels.accelerator`).
+        compilation_cache: JAX's persistent compilation cache directory; True (the default):
+            `~/.cache/deepinfer/xla`; None or False: none. JAX has one per process, set once: the
+            first directory set in the process stays (`serve.compilation_cache`).
+        warmup: before each `generate` / `chat` call's first step, compile every step shape its
+            requests can reach (page buckets up to the longest prompt + max_tokens; all of them
+            when max_tokens is None) that has not run yet, with a "Compiling step shapes" bar on
+            stderr: nothing then compiles mid-stream. `warm_up()` compiles every shape up to
+            max_model_len at once. False: shapes compile when a step first needs them.
 
     Unknown keyword arguments raise `ValueError` naming the argument.
     """
@@ -291,8 +306,10 @@ class LLM:
         mesh: Any = None,
         eplb_interval: int | None = None,
         eplb_slots: int | None = None,
-        drafter_context: bool = True,
+        drafter_context: bool = False,
         accelerator: str = "auto",
+        compilation_cache: str | os.PathLike | bool | None = True,
+        warmup: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -312,6 +329,9 @@ class LLM:
             raise ValueError(f"fake_quant: must be a bool, got {fake_quant!r}")
         if not isinstance(drafter_context, bool):
             raise ValueError(f"drafter_context: must be a bool, got {drafter_context!r}")
+        if not isinstance(warmup, bool):
+            raise ValueError(f"warmup: must be a bool, got {warmup!r}")
+        cache_directory = resolve_compilation_cache(compilation_cache)
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode: must be one of {', '.join(PREFILL_MODES)}, got {prefill_mode!r}")
         _positive_int("keep_tokens", keep_tokens)
@@ -323,6 +343,8 @@ class LLM:
             _positive_int("eplb_interval", eplb_interval)
         if eplb_slots is not None:
             _positive_int("eplb_slots", eplb_slots)
+        # before anything compiles (process-wide; the first directory set in the process stays)
+        self.compilation_cache = enable_compilation_cache(cache_directory)
         # first JAX work of the constructor: the Ascend plugin must register before the backends start
         self.accelerator = select_accelerator(accelerator)
         self.mesh = _resolve_mesh(mesh, self.accelerator)
@@ -359,6 +381,8 @@ class LLM:
                                      drafter_context=drafter_context, kernels=self.accelerator.kernel_config())
         self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config, mesh=self.mesh)
         self.log_stats_interval = log_stats_interval
+        self.warmup = warmup
+        self.warmup_seconds = 0.0  # compile time spent warming up, all calls together
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._prompt_counted: set[str] = set()
@@ -640,6 +664,31 @@ class LLM:
         results = self._run(added, progress=bar)
         return [results[r] for r in added]
 
+    def warm_up(self, max_len: int | None = None, use_tqdm: bool = True) -> WarmupReport:
+        """Compile, with a "Compiling step shapes" bar, every step shape of sequences up to
+        `max_len` tokens (default: max_model_len) that has not run yet (`serve.engine.warmup`);
+        no request may be running. Returns what it compiled and how long it took."""
+        shapes = pending_shapes(self.engine, max_len)
+        if not shapes:
+            return WarmupReport()
+        start = time.perf_counter()
+        bar = self._progress_bar(use_tqdm, total=len(shapes), desc="Compiling step shapes", unit="shape").bar
+        try:
+            report = warm_up(self.engine, max_len=max_len,
+                             progress=None if bar is None else lambda i, n, shape, seconds: bar.update(1))
+        finally:
+            if bar is not None:
+                bar.close()
+            self.warmup_seconds += time.perf_counter() - start
+        return report
+
+    def _reach(self) -> int:
+        """The longest sequence the engine's requests can grow to: prompt + max_tokens (the
+        context when max_tokens is None)."""
+        limit = self.engine.cache.layout.max_len
+        return max((limit if r.params.max_tokens is None else len(r.prompt_token_ids) + r.params.max_tokens
+                    for r in self.engine.requests.values()), default=1)
+
     def _progress_bar(self, use_tqdm, *, total: int, desc: str, **kwargs) -> _Progress:
         if not use_tqdm or total == 0 or jax.process_index() != 0:
             return _Progress(None)
@@ -656,6 +705,8 @@ class LLM:
         pending = set(request_ids)
         results: dict[str, RequestOutput] = {}
         try:
+            if self.warmup and not self.engine.scheduler.running:
+                self.warm_up(self._reach())
             while pending:
                 if not self.engine.has_unfinished():
                     raise RuntimeError(f"the engine dropped {len(pending)} request(s) without a result")

@@ -60,8 +60,9 @@ class EngineConfig:
     eplb_interval: int | None = None
     eplb_slots: int | None = None
     # keep the DSpark drafter's context (its per-block window rings) when the checkpoint has the
-    # drafter: per token one main_proj and a wkv per block; the speculative-decoding loop reads it
-    drafter_context: bool = True
+    # drafter: per token one main_proj and a wkv per block (about 3 % of a step), which only the
+    # speculative-decoding loop reads: off unless speculative decoding is on
+    drafter_context: bool = False
 
     def __post_init__(self):
         if self.prefill_mode not in PREFILL_MODES:
@@ -116,6 +117,7 @@ class LLMEngine:
         self._rng = jax.random.key(engine_config.seed)
         self._step_count = 0
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.warmed_shapes: set = set()  # step shapes `serve.engine.warmup.warm_up` compiled
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,

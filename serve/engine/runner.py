@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import draft_from_cache, has_drafter
@@ -49,6 +50,17 @@ def _device_of(params: dict):
     return devices.pop() if len(devices) == 1 else None
 
 
+def _placed_like_params(cache, params: dict):
+    """The new cache with the sharding a step returns it with: params loaded onto a one-device
+    mesh (`load_checkpoint`) make the step's outputs NamedSharding-ed, and a jitted program is
+    keyed on its inputs' shardings, so a cache left as created would compile the first step
+    shape a second time, mid-stream, once the warm-up's steps have passed the cache on."""
+    leaf = next((x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)), None)
+    if leaf is None or not isinstance(leaf.sharding, NamedSharding) or len(leaf.sharding.device_set) != 1:
+        return cache
+    return jax.device_put(cache, NamedSharding(leaf.sharding.mesh, PartitionSpec()))
+
+
 class ModelRunner:
     """Owns the params and the device cache; every step donates and replaces the cache.
 
@@ -76,7 +88,7 @@ class ModelRunner:
         else:
             self.params = params
             with jax.default_device(_device_of(params)):  # the cache goes where the params are
-                self.cache = init_cache(config, layout)
+                self.cache = _placed_like_params(init_cache(config, layout), params)
         self.expert_load = np.zeros((config.num_hidden_layers, config.n_routed_experts), np.int64)
         self._compiled: set = set()
         self.compile_seconds: dict[tuple, float] = {}

@@ -7,7 +7,13 @@ sampler compiles per batch bucket and per kind of sampling. The first request th
 bucket waits for its compilation (tens of seconds for a real model), which looks like a hang;
 `warm_up` runs each bucket once on dummy tokens instead, while the engine is idle.
 
-It leaves the engine as it found it: no request, slot or page is allocated (the dummy rows go
+`max_len` limits it to the shapes of sequences that end at or before that length (what a batch
+of known requests can reach: `LLM` warms each call up to its longest prompt + max_tokens), and a
+shape it compiled once is not run again, so calling it before every batch costs nothing once
+the shapes are there: nothing compiles mid-stream, yet a short job does not wait for the shapes
+of the whole context.
+
+It leaves the engine as it found it: no slot or page is allocated (the dummy rows go
 through the runner directly, on free slots and pages, and the touched slots are reset after; the
 free pages they wrote hold stale values, as any released page does, and are overwritten before
 they are read), the engine's counters, sampling key and the runner's expert-load statistics are
@@ -28,7 +34,7 @@ from deepinfer.serve.engine.types import SamplingParams
 from deepinfer.serve.engine import sampler
 from deepinfer.serve.engine.runner import ChunkWork, token_bucket
 
-__all__ = ["StepShape", "WarmupReport", "step_shapes", "warm_up"]
+__all__ = ["StepShape", "WarmupReport", "pending_shapes", "step_shapes", "warm_up"]
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -94,17 +100,20 @@ def _ends_in(intervals: list[tuple[int, int]], low: int, high: int) -> bool:
     return any(first <= high and last > low for first, last in intervals)
 
 
-def step_shapes(engine) -> list[StepShape]:
-    """Every bucket the engine's scheduler can produce, in the order `warm_up` compiles them.
+def step_shapes(engine, max_len: int | None = None) -> list[StepShape]:
+    """Every bucket the engine's scheduler can produce for sequences of at most `max_len` tokens
+    (default: the context), in the order `warm_up` compiles them.
 
     A prefill step's token bucket is its longest chunk's, its page bucket its furthest-reaching
     row's: page bucket P covers sequence ends in ((P/2) * page_size, P * page_size] (the last
     one up to the context). Encoder-only chunks end at or below the replay floor, at most
     context - keep_tokens. Shapes no request can produce are left out (`_chunk_ends`)."""
     layout, ec = engine.cache.layout, engine.engine_config
-    ps, max_len, chunk = layout.page_size, layout.max_len, ec.prefill_chunk
+    ps, chunk = layout.page_size, ec.prefill_chunk
+    max_len = layout.max_len if max_len is None else max(1, min(max_len, layout.max_len))
     pages = _page_buckets(layout.max_pages_per_slot)
     low_end = {p: (0 if i == 0 else pages[i - 1] * ps) for i, p in enumerate(pages)}  # ends > this
+    pages = [p for p in pages if low_end[p] < max_len]
     tokens = sorted({token_bucket(n) for n in range(1, chunk + 1)})
     rows = _powers_up_to(min(ec.prefill_rows, layout.slots_per_rank))
     decoders = (False, True) if ec.prefill_mode == "compact" else (True,)
@@ -158,16 +167,35 @@ def _run_sampler(engine, shape: StepShape) -> None:
     np.asarray(out.tokens)
 
 
-def warm_up(engine, progress: Callable[[int, int, StepShape, float], None] | None = None) -> WarmupReport:
-    """Compile every shape of `step_shapes(engine)` (see the module docstring); the engine must be
-    idle. `progress(i, n, shape, seconds)` after each shape (default: a log line)."""
-    if engine.has_unfinished() or engine.requests:
-        raise RuntimeError("warm_up needs an idle engine (no request in flight)")
+def _is_compiled(engine, shape: StepShape) -> bool:
+    """`shape` ran before: warmed up earlier, or a real step of the runner used it."""
+    if shape in engine.warmed_shapes:
+        return True
+    if shape.kind == "sample":
+        return False
+    rows = shape.rows * engine.cache.layout.dp
+    return (shape.kind, rows, shape.tokens, shape.pages, False, shape.decoder) in engine.runner.compile_seconds
+
+
+def pending_shapes(engine, max_len: int | None = None) -> list[StepShape]:
+    """The shapes of `step_shapes(engine, max_len)` that have not run yet (what `warm_up` compiles)."""
+    return [s for s in step_shapes(engine, max_len) if not _is_compiled(engine, s)]
+
+
+def warm_up(engine, progress: Callable[[int, int, StepShape, float], None] | None = None,
+            max_len: int | None = None) -> WarmupReport:
+    """Compile the shapes of `step_shapes(engine, max_len)` that have not run yet (see the module
+    docstring); no request may be running (waiting ones hold no slot or page and stay queued).
+    `progress(i, n, shape, seconds)` after each shape (default: a log line)."""
+    if engine.scheduler.running:
+        raise RuntimeError("warm_up needs an engine with no running request")
     if progress is None:
         def progress(i, n, shape, seconds):
             log.info("warm-up %d/%d: %s in %.2f s", i, n, shape, seconds)
-    shapes = step_shapes(engine)
+    shapes = pending_shapes(engine, max_len)
     report = WarmupReport()
+    if not shapes:
+        return report
     runner = engine.runner
     expert_load = runner.expert_load.copy()
     try:
@@ -177,6 +205,7 @@ def warm_up(engine, progress: Callable[[int, int, StepShape, float], None] | Non
                 _run_sampler(engine, shape)
             else:
                 _run_step(engine, shape)
+            engine.warmed_shapes.add(shape)
             report.shapes.append(shape)
             report.seconds.append(time.perf_counter() - t0)
             progress(i, len(shapes), shape, report.seconds[-1])

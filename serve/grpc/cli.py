@@ -156,16 +156,15 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _loader(args: argparse.Namespace, kwargs: dict[str, Any]):
-    """Runs on the engine thread after the server is listening: compile cache, weights, engine."""
+    """Runs on the engine thread after the server is listening: weights, engine (and the
+    persistent compilation cache, before anything compiles)."""
 
     def load():
         from deepinfer.model.tokenizer import tokenizer_path
         from deepinfer.serve.api.llm import LLM
-        from deepinfer.serve.cli import _enable_compilation_cache
         from deepinfer.serve.grpc.server import LoadedModel
 
-        _enable_compilation_cache(args.compilation_cache)
-        llm = LLM(args.model, **kwargs)
+        llm = LLM(args.model, **kwargs)  # turns on the persistent compilation cache (kwargs)
         tok_path = os.path.abspath(args.tokenizer) if args.tokenizer else str(tokenizer_path())
         return LoadedModel(llm.engine, model_name=str(llm.model_name), model_path=str(llm.model_dir),
                            tokenizer_path=tok_path)

@@ -19,10 +19,11 @@ def model():
     return config, init_params(config, seed=3), load_tokenizer()
 
 
-def make_engine(model, **budget):
+def make_engine(model, drafter_context=False, **budget):
     config, params, tokenizer = model
     budget = CacheBudget(**{"num_slots": 4, "max_model_len": 512, "page_size": 64, **budget})
-    return LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=128, prefill_mode="full"))
+    return LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=128, prefill_mode="full",
+                                                             drafter_context=drafter_context))
 
 
 def prompt(n, seed):
@@ -146,9 +147,15 @@ def run_single(engine, ids, params):
 
 def test_drafts_of_running_requests_equal_the_whole_sequence_drafter(model):
     """Mid-generation, with two requests batched (one past the window, one short, one joined
-    later), the engine's drafter rings give the drafts of the whole sequence so far."""
+    later), the engine's drafter rings give the drafts of the whole sequence so far. The rings
+    are kept only when asked for (`drafter_context`; off by default: nothing drafts yet)."""
     config, params, _ = model
-    engine = make_engine(model)
+    plain = make_engine(model)
+    assert plain.cache.layout.draft_rings == 0
+    with pytest.raises(ValueError, match="drafter_context is off"):
+        plain.draft([])
+    engine = make_engine(model, drafter_context=True)
+    assert engine.cache.layout.draft_rings == config.num_nextn_predict_layers
     engine.add_request("long", prompt(150, 4), SamplingParams(max_tokens=20, **GREEDY))
     engine.add_request("short", prompt(30, 5), SamplingParams(max_tokens=20, **GREEDY))
     for _ in range(4):

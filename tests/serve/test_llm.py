@@ -374,6 +374,40 @@ def test_periodic_stats_line_and_progress_bar(llm, caplog, capsys):
     assert "Processed prompts" in err and re.search(r"est\. speed input: [\d.]+ toks/s, output: [\d.]+ toks/s", err)
 
 
+@pytest.mark.slow
+def test_a_call_compiles_what_it_can_reach_before_its_first_step(llm, monkeypatch):
+    """`warmup` (on by default): generations that cross page buckets (64 and 128 tokens) and a
+    prompt admitted while another decodes compile nothing inside the engine's steps (JAX's
+    backend-compile events); the shapes they need were compiled before the first step."""
+    import jax.monitoring
+
+    during, in_step = [], [False]
+    step = llm.engine.step
+
+    def counted_step():
+        in_step[0] = True
+        try:
+            return step()
+        finally:
+            in_step[0] = False
+
+    def on_event(name, seconds, **_):
+        if name == "/jax/core/compile/backend_compile_duration" and in_step[0]:
+            during.append(seconds)
+
+    monkeypatch.setattr(llm.engine, "step", counted_step)
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        prompts = [random_prompt(n, seed) for n, seed in ((50, 1), (130, 2), (20, 3), (90, 4), (10, 5))]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [30] * 5
+    assert {s.pages for s in llm.engine.warmed_shapes if s.kind == "decode"} >= {1, 2, 4}
+    assert during == [], f"{len(during)} compilation(s) inside engine steps"
+
+
 def test_profile_writes_a_trace(llm, tmp_path):
     llm.start_profile(tmp_path / "trace")
     with pytest.raises(RuntimeError, match="already"):

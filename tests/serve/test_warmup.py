@@ -24,7 +24,7 @@ from deepinfer.serve.engine import runner as runner_module
 from deepinfer.serve.engine import sampler
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
-from deepinfer.serve.engine.warmup import step_shapes, warm_up
+from deepinfer.serve.engine.warmup import pending_shapes, step_shapes, warm_up
 
 BUDGET = CacheBudget(num_slots=4, max_model_len=1024, page_size=64)
 
@@ -70,15 +70,18 @@ def engine_state(engine):
             engine.cache.page_table.tolist())
 
 
-@pytest.mark.parametrize("engine_kw", [dict(prefill_chunk=256, prefill_rows=2),
-                                       dict(prefill_chunk=384, prefill_mode="full")])
-def test_the_engine_only_uses_warmed_shapes(model, recorded, engine_kw):
+@pytest.mark.parametrize(("engine_kw", "reach"), [(dict(prefill_chunk=256, prefill_rows=2), None),
+                                                  (dict(prefill_chunk=384, prefill_mode="full"), None),
+                                                  (dict(prefill_chunk=128), 400)])
+def test_the_engine_only_uses_warmed_shapes(model, recorded, engine_kw, reach):
+    """Warmed up to `reach` tokens (None: the context), requests that stay within it only use
+    warmed shapes."""
     engine = make_engine(model, **engine_kw)
     engine.runner.expert_load += 7  # statistics the warm-up must not touch
     before = engine_state(engine)
-    report = warm_up(engine)
+    report = warm_up(engine, max_len=reach)
     assert engine_state(engine) == before
-    assert report.shapes == step_shapes(engine) and len(report.seconds) == len(report.shapes)
+    assert report.shapes == step_shapes(engine, reach) and len(report.seconds) == len(report.shapes)
     warmed_steps, warmed_samples = set(recorded["step"]), set(recorded["sample"])
     assert len(warmed_steps) == len([s for s in report.shapes if s.kind != "sample"])  # one call per shape
     recorded["step"].clear()
@@ -88,11 +91,12 @@ def test_the_engine_only_uses_warmed_shapes(model, recorded, engine_kw):
     kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3),
              SamplingParams(temperature=0.7, top_p=0.9, top_k=20)]
     n = 0
+    limit = reach or BUDGET.max_model_len
     for burst in range(6):  # bursts: several prompts are prefilled in the same step
         for _ in range(rng.randint(1, 4)):
-            length = rng.choice([rng.randint(1, 130), rng.randint(130, 1000)])
+            length = rng.choice([rng.randint(1, 130), rng.randint(130, limit - 24)])
             params = rng.choice(kinds)
-            out = rng.randint(1, min(200, BUDGET.max_model_len - length - 1))
+            out = rng.randint(1, min(200, limit - length - 1))
             engine.add_request(f"r{n}", [0] + [100 + (7 * i) % 5000 for i in range(length - 1)],
                                dataclasses.replace(params, max_tokens=out, ignore_eos=True))
             n += 1
@@ -109,15 +113,23 @@ def test_the_engine_only_uses_warmed_shapes(model, recorded, engine_kw):
     assert len({k[2] for k in used_steps}) >= 4 and {k[1] == 1 for k in used_steps} == {True, False}
     if engine.engine_config.prefill_mode == "compact":
         assert {k[4] for k in used_steps if k[1] > 1} == {True, False}
+    if engine.engine_config.prefill_rows > 1:
         assert any(k[0] == 2 and k[1] > 1 for k in used_steps)
 
 
-def test_warm_up_refuses_a_busy_engine(model, recorded):
+def test_warm_up_compiles_each_shape_once_and_never_under_a_running_request(model, recorded):
     engine = make_engine(model)
-    engine.add_request("busy", [0, 5, 6], SamplingParams(max_tokens=2))
-    with pytest.raises(RuntimeError, match="idle engine"):
+    engine.add_request("queued", [0, 5, 6], SamplingParams(max_tokens=2))  # waiting: no slot or page yet
+    short = warm_up(engine, max_len=100)
+    assert {s.pages for s in short.shapes if s.kind != "sample"} == {1, 2}  # ends in (0, 64] and (64, 128]
+    rest = warm_up(engine)  # only what the first call left out
+    assert not set(short.shapes) & set(rest.shapes)
+    assert set(short.shapes) | set(rest.shapes) == set(step_shapes(engine))
+    assert warm_up(engine).shapes == [] and pending_shapes(engine) == []
+    assert len(recorded["step"]) == len({*recorded["step"]})  # no shape ran twice
+    engine.step()  # "queued" is admitted and runs
+    with pytest.raises(RuntimeError, match="no running request"):
         warm_up(engine)
-    assert recorded["step"] == []
 
 
 def test_step_shapes_follow_the_layout(model):
@@ -132,3 +144,40 @@ def test_step_shapes_follow_the_layout(model):
     assert (1, 256, 4, True) in prefill and (2, 128, 16, True) in prefill
     assert (1, 128, 16, False) in prefill  # ends in (512, 1024], below the floor 1023 - 140
     assert {s.rows for s in shapes if s.kind == "sample"} == {8}
+
+
+@pytest.mark.slow
+def test_nothing_compiles_after_the_warm_up(model):
+    """Real XLA compilations (JAX's backend-compile events), not the runner's bookkeeping: after
+    the warm-up, prompts of mixed lengths whose prefills and generations cross page buckets,
+    admitted while others decode, greedy and sampled, compile nothing."""
+    import jax.monitoring
+
+    config, params, tokenizer = model
+    budget = CacheBudget(num_slots=2, max_model_len=128, page_size=64)  # page buckets 1 and 2
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=128, prefill_mode="full"))
+    compiles = []
+
+    def on_event(name, seconds, **_):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        report = warm_up(engine)
+        assert compiles, "the warm-up compiled nothing: the listener hears no compilation"
+        assert {s.pages for s in report.shapes if s.kind == "decode"} == {1, 2}
+        compiles.clear()
+        requests = [(30, 50, SamplingParams(temperature=0.0)),  # decodes across the 64-token page
+                    (100, 20, SamplingParams(temperature=0.8, seed=3)),  # prefills into the second page
+                    (5, 3, SamplingParams(temperature=0.7, top_p=0.9, top_k=20))]
+        for i, (length, out, params) in enumerate(requests):
+            engine.add_request(f"r{i}", [0] + [100 + 7 * j for j in range(length - 1)],
+                               dataclasses.replace(params, max_tokens=out, ignore_eos=True))
+        finished = {}
+        while engine.has_unfinished():
+            finished.update({o.request_id: o for o in engine.step()})
+        assert {rid: len(o.outputs[0].token_ids) for rid, o in finished.items()} == {"r0": 50, "r1": 20, "r2": 3}
+        assert compiles == [], f"{len(compiles)} compilation(s) after the warm-up"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
