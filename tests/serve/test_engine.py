@@ -195,8 +195,8 @@ def test_a_preempted_sampled_request_resumes_its_sampling_state(model):
     """Seeded sampling with penalties and min_tokens: after preemption the slot's state is
     rebuilt from the request's output so far (counts, tokens generated), so the tokens are
     those of a run without preemption."""
-    params = SamplingParams(max_tokens=100, temperature=1.0, seed=9, presence_penalty=0.8, frequency_penalty=0.4,
-                            repetition_penalty=1.3, min_tokens=90, ignore_eos=False)
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=9, presence_penalty=0.8, frequency_penalty=0.4,
+                            repetition_penalty=1.3, min_tokens=50, ignore_eos=False)
     outputs = {}
     for pages in (5, None):
         engine = make_engine(model, num_pages=pages, max_model_len=320)
@@ -205,4 +205,4 @@ def test_a_preempted_sampled_request_resumes_its_sampling_state(model):
         outputs[pages] = {rid: out.outputs[0].token_ids for rid, out in run(engine).items()}
         assert engine.scheduler.num_preemptions >= (1 if pages else 0)
     assert outputs[5] == outputs[None]
-    assert all(len(set(tokens)) > 50 for tokens in outputs[5].values())  # sampled, penalised
+    assert all(len(set(tokens)) > 30 for tokens in outputs[5].values())  # sampled, penalised
