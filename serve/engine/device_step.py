@@ -30,5 +30,5 @@ def engine_step(params: dict, cache: KVCache, state: SamplingState, batch: StepB
     """Returns the updated cache and sampling state, the rows' `SampleOutput` and the int32
     `[layers, experts]` routed-token counts (EPLB)."""
     cache, logits, counts = step_body(params, cache, batch, config=config, layout=layout, kernels=kernels)
-    state, out = head(logits, state, batch.slots, rows)
+    state, out = head(jax.lax.optimization_barrier(logits), state, batch.slots, rows)
     return cache, state, out, counts

@@ -195,8 +195,8 @@ def test_a_preempted_sampled_request_resumes_its_sampling_state(model):
     """Seeded sampling with penalties and min_tokens: after preemption the slot's state is
     rebuilt from the request's output so far (counts, tokens generated), so the tokens are
     those of a run without preemption."""
-    params = SamplingParams(max_tokens=60, temperature=1.0, seed=9, presence_penalty=0.8, frequency_penalty=0.4,
-                            repetition_penalty=1.3, min_tokens=50, ignore_eos=False)
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=9, presence_penalty=0.8, frequency_penalty=0.4,
+                            repetition_penalty=1.3, min_tokens=70, ignore_eos=False)
     outputs = {}
     for pages in (5, None):
         engine = make_engine(model, num_pages=pages, max_model_len=320)
