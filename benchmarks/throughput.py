@@ -64,13 +64,11 @@ def bench_throughput(params, config, tokenizer, batch: int, input_len: int, outp
                 buckets=len(engine.runner.compile_seconds))
 
 
-def bench_sampler_share(params, config, tokenizer, batch: int, steps: int = 24) -> tuple[float, float]:
-    """Median decode step of `batch` requests at temperature 1 through `LLMEngine.step` (model and
-    sampler, one page bucket), and median time of the sampler alone on `[batch, vocab]` logits
-    and a state of `batch` temperature-1 slots, both on the device."""
+def _decode_step(params, config, tokenizer, batch: int, steps: int, temperature: float) -> float:
+    """Median decode step of `batch` requests through `LLMEngine.step` (one page bucket)."""
     budget = CacheBudget(num_slots=batch, max_model_len=128, page_size=128)
     engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget))
-    sp = SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=1.0, detokenize=False)
+    sp = SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=temperature, detokenize=False)
     for i, p in enumerate(_prompts(batch, 64, seed=5)):
         engine.add_request(f"sampler-{i}", p, sp)
     times = []
@@ -80,7 +78,16 @@ def bench_sampler_share(params, config, tokenizer, batch: int, steps: int = 24) 
         engine.step()
         if decoding:
             times.append(time.perf_counter() - start)
-    step = statistics.median(times[2:])  # the first ones compile
+    return statistics.median(times[2:])  # the first ones compile
+
+
+def bench_sampler_share(params, config, tokenizer, batch: int, steps: int = 24) -> tuple[float, float, float]:
+    """Median decode steps of `batch` requests at temperature 1 and greedy (the same program: the
+    difference is the random draw inside the step), and median time of the sampler alone on
+    `[batch, vocab]` logits and a state of `batch` temperature-1 slots, on the device."""
+    step = _decode_step(params, config, tokenizer, batch, steps, 1.0)
+    greedy = _decode_step(params, config, tokenizer, batch, steps, 0.0)
+    sp = SamplingParams(temperature=1.0)
 
     V = config.vocab_size
     state = init_state(batch, V, 128, 33)
@@ -97,7 +104,7 @@ def bench_sampler_share(params, config, tokenizer, batch: int, steps: int = 24) 
         state, out = run(logits, state, slots, rows)
         out.tokens.block_until_ready()
         times.append(time.perf_counter() - start)
-    return step, statistics.median(times)
+    return step, greedy, statistics.median(times)
 
 
 def bench_prefill(params, config, tokenizer, length: int, mode: str) -> float:
@@ -163,9 +170,10 @@ def main(argv=None) -> int:
         print(f"Compile/warmup time (s): {r['warmup']:.1f} ({r['buckets']} jitted shape buckets)\n")
 
     if args.sampler_batch:
-        step, sampler = bench_sampler_share(params, config, tokenizer, args.sampler_batch)
-        print(f"Sampler (on the device, temperature 1), batch {args.sampler_batch}: {sampler * 1e3:.2f} ms of a "
-              f"{step * 1e3:.1f} ms decode step ({sampler / step:.1%})\n")
+        step, greedy, sampler = bench_sampler_share(params, config, tokenizer, args.sampler_batch)
+        print(f"Sampler (on the device, temperature 1), batch {args.sampler_batch}: {sampler * 1e3:.2f} ms alone, "
+              f"{sampler / step:.1%} of a {step * 1e3:.1f} ms decode step; the step at temperature 0: "
+              f"{greedy * 1e3:.1f} ms\n")
 
     if args.drafter_batch:
         rates = {}
