@@ -3,10 +3,12 @@
 
     python benchmarks/throughput.py [--input-len 128] [--output-len 32] [--batch-sizes 1,8,32]
                                     [--contexts 1024,8192,32768] [--prefill-len 2048]
-                                    [--drafter-batch 8] [--prefill-rows 1] [--no-start]
+                                    [--drafter-batch 8] [--prefill-rows 1] [--sampler-batch 8] [--no-start]
 
 Compile and warm-up time are excluded from every measured window (each shape runs once before
-it is timed) and printed separately. Lengths are fixed (range_ratio=0, vLLM semantics);
+it is timed) and printed separately. The sampler's share is that of the sampler alone (jitted on
+device-resident logits and sampling state, as it runs inside the step) in the engine's decode
+step at temperature 1. Lengths are fixed (range_ratio=0, vLLM semantics);
 `ignore_eos=True`, `temperature=1.0`, `top_p=1.0`. On a CPU these figures describe the
 reference (plain jnp) path, not accelerator kernels.
 
@@ -34,6 +36,8 @@ from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner
+from deepinfer.serve.engine.sampler import SampleRows, sample
+from deepinfer.serve.engine.sampling_state import init_state, slot_row, write_slot
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -65,6 +69,49 @@ def bench_throughput(params, config, tokenizer, batch: int, input_len: int, outp
     elapsed, n_in, n_out = _run(engine, _prompts(batch, input_len, seed=2), output_len, "bench")
     return dict(batch=batch, elapsed=elapsed, prompt_tokens=n_in, output_tokens=n_out, warmup=warmup,
                 buckets=len(engine.runner.compile_seconds))
+
+
+def _decode_step(params, config, tokenizer, batch: int, steps: int, temperature: float) -> float:
+    """Median decode step of `batch` requests through `LLMEngine.step` (one page bucket)."""
+    budget = CacheBudget(num_slots=batch, max_model_len=128, page_size=128)
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget))
+    sp = SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=temperature, detokenize=False)
+    for i, p in enumerate(_prompts(batch, 64, seed=5)):
+        engine.add_request(f"sampler-{i}", p, sp)
+    times = []
+    while engine.has_unfinished():
+        decoding = len(engine.scheduler.running) == batch and all(r.to_feed == 1 for r in engine.scheduler.running)
+        start = time.perf_counter()
+        engine.step()
+        if decoding:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])  # the first ones compile
+
+
+def bench_sampler_share(params, config, tokenizer, batch: int, steps: int = 24) -> tuple[float, float, float]:
+    """Median decode steps of `batch` requests at temperature 1 and greedy (the same program: the
+    difference is the random draw inside the step), and median time of the sampler alone on
+    `[batch, vocab]` logits and a state of `batch` temperature-1 slots, on the device."""
+    step = _decode_step(params, config, tokenizer, batch, steps, 1.0)
+    greedy = _decode_step(params, config, tokenizer, batch, steps, 0.0)
+    sp = SamplingParams(temperature=1.0)
+
+    V = config.vocab_size
+    state = init_state(batch, V, 128, 33)
+    for slot in range(batch):
+        state = write_slot(state, np.int32(slot), slot_row(sp, seed=slot, vocab_size=V, max_logit_bias=128, max_bans=33))
+    logits = jax.random.normal(jax.random.key(0), (batch, V), np.float32)
+    slots = jax.numpy.arange(batch, dtype=np.int32)
+    rows = SampleRows(jax.numpy.ones(batch, bool), jax.numpy.full(batch, 70, np.int32))
+    run = jax.jit(sample, donate_argnums=(1,))
+    state, out = run(logits, state, slots, rows)  # compile
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, out = run(logits, state, slots, rows)
+        out.tokens.block_until_ready()
+        times.append(time.perf_counter() - start)
+    return step, greedy, statistics.median(times)
 
 
 def bench_prefill(params, config, tokenizer, length: int, mode: str) -> float:
@@ -123,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter-batch", type=int, default=8, help="batch of the drafter-context comparison (0: skip)")
     ap.add_argument("--prefill-rows", type=int, default=1, help="prompt chunks prefilled together per step")
     ap.add_argument("--no-start", action="store_true", help="skip the cold/warm start-up of `deepinfer generate`")
+    ap.add_argument("--sampler-batch", type=int, default=8, help="batch of the sampler-share figure (0: skip)")
     args = ap.parse_args(argv)
 
     config = load_config("tiny-v4.1")
@@ -145,6 +193,12 @@ def main(argv=None) -> int:
         print(f"Total num prompt tokens:  {r['prompt_tokens']}")
         print(f"Total num output tokens:  {r['output_tokens']}")
         print(f"Compile/warmup time (s): {r['warmup']:.1f} ({r['buckets']} jitted shape buckets)\n")
+
+    if args.sampler_batch:
+        step, greedy, sampler = bench_sampler_share(params, config, tokenizer, args.sampler_batch)
+        print(f"Sampler (on the device, temperature 1), batch {args.sampler_batch}: {sampler * 1e3:.2f} ms alone, "
+              f"{sampler / step:.1%} of a {step * 1e3:.1f} ms decode step; the step at temperature 0: "
+              f"{greedy * 1e3:.1f} ms\n")
 
     if args.drafter_batch:
         rates = {}

@@ -11,6 +11,8 @@ window keys, ring writes and compressor run on the gathered chunk (`model.step._
 spreads every rank's tokens over all devices, which hold `experts / devices` experts each,
 through `ExpertParallel`. The logits are gathered over `dp` so
 every process (multi-host included) sees all rows, and the expert counts are summed over `dp`.
+With a `head` (the engine's sampler), each rank runs it on its own rows' logits and per-slot
+state inside the step, and only the head's per-row outputs (sampled tokens) are gathered.
 
 All device inputs are built as global arrays with `make_array_from_callback`, which is what
 JAX's multi-controller runtime needs: every process runs the same host code on the same data.
@@ -122,6 +124,15 @@ class MeshStep:
         specs = params_specs(params)
         return jax.tree.map(lambda x, spec: to_global(np.asarray(x), NamedSharding(self.mesh, spec)), params, specs)
 
+    def replicate(self, tree):
+        """Host values (the same in every process) as global arrays replicated over the mesh."""
+        return jax.tree.map(lambda a: to_global(a, self._replicated), tree)
+
+    def per_slot_shardings(self, tree):
+        """Shardings of a pytree whose leaves' leading dim is the (global, rank-major) slot: split
+        over dp like the cache's slots."""
+        return jax.tree.map(lambda _: NamedSharding(self.mesh, P("dp")), tree)
+
     def init_cache(self) -> KVCache:
         abstract = jax.eval_shape(partial(init_cache, self.config, self.layout))
         shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), cache_specs(abstract))
@@ -133,54 +144,83 @@ class MeshStep:
         return _reset(cache, to_global(padded, self._replicated))
 
     # ---- the step -----------------------------------------------------------------------
-    def __call__(self, params: dict, cache: KVCache, batch: StepBatch, *, all_logits: bool, decoder: bool):
-        """`batch` holds host arrays, rows grouped by dp rank, local slot and page ids."""
+    def __call__(self, params: dict, cache: KVCache, batch: StepBatch, *, all_logits: bool, decoder: bool,
+                 head=None, head_state=None, head_rows=None):
+        """`batch` holds host arrays, rows grouped by dp rank, local slot and page ids.
+
+        `head` (hashable; None: return the logits): `head(logits, state, slots, rows) -> (state,
+        outputs)` runs on each rank after the model, on its rows' last-token logits, with
+        `head_state` (leaves `[slots, ...]` split over dp, placed by `per_slot_shardings`; donated)
+        and `head_rows` (host arrays `[B, ...]`, rows grouped like `batch`'s); returns `(cache,
+        head_state, outputs gathered over dp, counts)`."""
         T = batch.tokens.shape[1]
         split = self.cp > 1 and T > 1
-        key = (all_logits, decoder, split, jax.tree.map(np.shape, batch))
+        if head is not None and (all_logits or not decoder):
+            raise ValueError("a step head needs the decoder's last-token logits")
+        key = (all_logits, decoder, split, head, jax.tree.map(np.shape, batch))
         if split:
             batch = zigzag_rows(batch, self.cp)
         specs = batch_specs(batch, split)
         batch = jax.tree.map(lambda a, spec: to_global(a, NamedSharding(self.mesh, spec)), batch, specs)
         if split:  # what each device really got (the tests check the work is split)
             self.queries_per_rank[T] = batch.tokens.addressable_shards[0].data.shape[1]
+        extra = ()
+        if head is not None:
+            rows = jax.tree.map(lambda a: to_global(a, NamedSharding(self.mesh, P("dp"))), head_rows)
+            extra = (head_state, rows)
         if key not in self._steps:
-            self._steps[key] = self._compile(params, cache, batch, all_logits, decoder, split)
+            self._steps[key] = self._compile(params, cache, batch, all_logits, decoder, split, head, extra)
+        if head is not None:
+            return self._steps[key](params, cache, batch, *extra)
         cache, logits, counts = self._steps[key](params, cache, batch)
         if split and all_logits:
             logits = logits[:, :T]  # the padding columns
         return cache, (logits if decoder else None), counts
 
-    def _compile(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool):
+    def _compile(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool, head=None, extra=()):
         """Compile ahead of the first run; with many processes, wait for all of them before
         it runs (a process still compiling would leave the others' first collective waiting
         past the CPU collectives' 30 s rendezvous deadline)."""
-        compiled = self._build(params, cache, batch, all_logits, decoder, split).lower(params, cache, batch).compile()
+        built = self._build(params, cache, batch, all_logits, decoder, split, head, *extra)
+        compiled = built.lower(params, cache, batch, *extra).compile()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"deepinfer step {all_logits} {decoder} {batch.tokens.shape}")
         return compiled
 
-    def _build(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool):
+    def _build(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool, head=None,
+               head_state=None, head_rows=None):
         config, layout, kernels = self.config, self.layout, self.kernels
         ep, seq = (self.ep_cp, ZigzagShards(self.cp)) if split else (self.ep, None)
 
-        def body(params, cache, batch):
+        def body(params, cache, batch, *extra):
             cache, logits, counts = step_body(params, cache, batch, config=config, layout=layout,
                                               all_logits=all_logits, decoder=decoder, kernels=kernels, ep=ep,
                                               seq=seq)
+            # counts: tokens differ over dp (and over cp when split), are replicated elsewhere
+            counts = jax.lax.psum(counts, ("dp", "cp") if split else "dp")
+            if head is not None:  # every (cp, tp) replica of a rank runs it alike: same rows, same state
+                state, rows = extra
+                state, out = head(logits, state, batch.slots, rows)
+                out = jax.tree.map(lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), out)
+                return cache, state, out, counts
             if logits is None:
                 logits = jnp.zeros((0,), jnp.float32)
             else:
                 logits = jax.lax.all_gather(logits, "dp", axis=0, tiled=True)
-            # counts: tokens differ over dp (and over cp when split), are replicated elsewhere
-            return cache, logits, jax.lax.psum(counts, ("dp", "cp") if split else "dp")
+            return cache, logits, counts
 
-        mapped = jax.shard_map(body, mesh=self.mesh,
-                               in_specs=(params_specs(params), cache_specs(cache), batch_specs(batch, split)),
-                               out_specs=(cache_specs(cache), P(), P()), check_vma=False)
-        return jax.jit(mapped, donate_argnums=(1,))
+        in_specs = (params_specs(params), cache_specs(cache), batch_specs(batch, split))
+        out_specs = (cache_specs(cache), P(), P())
+        donate = (1,)
+        if head is not None:
+            state_specs = jax.tree.map(lambda _: P("dp"), head_state)
+            in_specs += (state_specs, jax.tree.map(lambda _: P("dp"), head_rows))
+            out_specs = (cache_specs(cache), state_specs, P(), P())
+            donate = (1, 3)
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+        return jax.jit(mapped, donate_argnums=donate)
 
 
 @partial(jax.jit, donate_argnums=(0,))

@@ -1,10 +1,14 @@
 """The offline engine: requests in, `RequestOutput`s out, one `step()` at a time.
 
 A step asks the scheduler for work, runs the prefill chunk(s) and the decode batch on the
-device, samples the rows that reached the end of their input, and applies the stop rules
+device, where the rows that reached the end of their input are sampled (each request's sampling
+settings are written to its slot's device state when it is admitted), and applies the stop rules
 (EOS unless `ignore_eos`, `stop_token_ids`, stop strings across token boundaries, `max_tokens`,
-`min_tokens`, the context limit). Everything here is host-side Python; the device work is the
-runner's and the sampler's.
+`min_tokens`, the context limit) to the sampled tokens. Everything here is host-side Python; the
+device work is the runner's and the sampler's.
+
+A request without a seed gets one drawn from the engine's seed (`EngineConfig.seed`) when it is
+added: sampling is counter-based (seed, position), so every request's tokens are reproducible.
 """
 
 from __future__ import annotations
@@ -14,26 +18,25 @@ import logging
 import time
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import has_drafter
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine.types import Logprob, RequestOutput, SamplingParams
-from deepinfer.serve.engine import sampler
+from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.cache import AdmissionError, CacheBudget, CacheManager, make_layout
 from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.request import Request, Status
-from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, token_bucket
+from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, StepSampling, token_bucket
+from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.scheduler import Scheduler
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
 
 log = logging.getLogger("deepinfer.engine")
 MAX_LOGPROBS = 20
-_SUPPRESS = -1e9
-PREFILL_MODES = ("full", "compact")  # logit bias that keeps EOS/stop tokens out until min_tokens
+PREFILL_MODES = ("full", "compact")
 
 
 class EngineStalledError(RuntimeError):
@@ -63,6 +66,10 @@ class EngineConfig:
     # drafter: per token one main_proj and a wkv per block (about 3 % of a step), which only the
     # speculative-decoding loop reads: off unless speculative decoding is on
     drafter_context: bool = False
+    # the per-slot sampling state's fixed-size lists: logit_bias entries per request, and stop
+    # token ids held back until min_tokens (plus EOS)
+    max_logit_bias: int = 128
+    max_stop_token_ids: int = 32
 
     def __post_init__(self):
         if self.prefill_mode not in PREFILL_MODES:
@@ -73,17 +80,9 @@ class EngineConfig:
             raise ValueError(f"keep_tokens must be positive, got {self.keep_tokens}")
         if self.eplb_interval is not None and self.eplb_interval < 1:
             raise ValueError(f"eplb_interval must be positive, got {self.eplb_interval}")
-
-
-@dataclass(frozen=True)
-class _RowParams:
-    """SamplingParams plus the engine's own logit bias (min_tokens suppression)."""
-
-    base: SamplingParams
-    logit_bias: dict | None
-
-    def __getattr__(self, name):
-        return getattr(self.base, name)
+        if self.max_logit_bias < 0 or self.max_stop_token_ids < 0:
+            raise ValueError(f"max_logit_bias and max_stop_token_ids must be non-negative, got "
+                             f"{self.max_logit_bias} and {self.max_stop_token_ids}")
 
 
 class LLMEngine:
@@ -103,7 +102,9 @@ class LLMEngine:
                              draft_rings=draft_rings)
         self.cache = CacheManager(config, layout)
         self.runner = ModelRunner(params, config, layout, engine_config.kernels, mesh=mesh,
-                                  keep_logical_experts=engine_config.eplb_interval is not None)
+                                  keep_logical_experts=engine_config.eplb_interval is not None,
+                                  max_logit_bias=engine_config.max_logit_bias,
+                                  max_bans=engine_config.max_stop_token_ids + 1)
         self.balancer = None
         if engine_config.eplb_interval is not None:
             self.balancer = ExpertBalancer.for_mesh(config.num_hidden_layers, config.n_routed_experts,
@@ -114,7 +115,8 @@ class LLMEngine:
                                    prefill_rows=engine_config.prefill_rows)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
-        self._rng = jax.random.key(engine_config.seed)
+        self._seeds = np.random.default_rng(engine_config.seed)  # of requests without one
+        self._sampling_slots: set[int] = set()  # slots whose sampling state a request wrote
         self._step_count = 0
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.warmed_shapes: set = set()  # step shapes `serve.engine.warmup.warm_up` compiled
@@ -132,11 +134,14 @@ class LLMEngine:
         params.check_vocabulary(self.config.vocab_size)
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs: at most {MAX_LOGPROBS} alternatives are supported, got {params.logprobs}")
+        sampling_state.check_capacity(params, eos_token_id=self.config.eos_token_id,
+                                      max_logit_bias=self.runner.max_logit_bias, max_bans=self.runner.max_bans)
         self.cache.check_admissible(len(ids), self.cache.layout.max_len)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize else None
         request = Request(request_id, prompt, ids, params, detok,
                           StopChecker(params.stop, params.include_stop_str_in_output), next(self._order))
         request.logprobs = [] if params.logprobs is not None else None
+        request.seed = params.seed if params.seed is not None else int(self._seeds.integers(1 << 32))
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -145,6 +150,7 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.abort(request)  # also frees a request finished by a step that then raised
+        self._clear_left_slots()
         if request.finished:
             return None
         request.status, request.finish_reason = Status.FINISHED, "abort"
@@ -183,8 +189,12 @@ class LLMEngine:
             compact = self.engine_config.prefill_mode == "compact"
             request.floor = max(0, request.length - self.engine_config.keep_tokens) if compact else 0
         self.runner.reset([r.slot for r in plan.admitted])
+        for request in plan.admitted:
+            if request.slot is not None:  # (not preempted again while this step was planned)
+                self.runner.write_sampling(request.slot, self._slot_row(request))
+                self._sampling_slots.add(request.slot)
         finished: list[Request] = []
-        to_sample: list[tuple[Request, np.ndarray]] = []
+        to_sample: list[tuple[Request, SampleOutput]] = []
         # chunks wholly below the replay floor run encoder-only; split before either pass runs,
         # since the encoder-only pass advances `computed`
         groups = {False: [], True: []}
@@ -197,22 +207,25 @@ class LLMEngine:
                               np.asarray(r.all_ids[:r.computed], np.int32), r.floor) for r, n in group]
             per_rank = np.bincount([self.cache.rank_of(w.slot) for w in work], minlength=1).max()
             rows = 1 << (int(per_rank) - 1).bit_length()
-            logits = self.runner.run(work, self.cache.page_table, rows=rows, decoder=decoder,
-                                     tokens=token_bucket(max(len(w.tokens) for w in work)))
+            emit = [r.computed + n == r.length for r, n in group]
+            sample = self._step_sampling([r for (r, _), e in zip(group, emit) if e], emit) if decoder else None
+            out = self.runner.run(work, self.cache.page_table, rows=rows, decoder=decoder,
+                                  tokens=token_bucket(max(len(w.tokens) for w in work)), sample=sample)
             for i, (request, n) in enumerate(group):
                 request.computed += n
                 self.stats["prompt_tokens"] += n
                 if request.to_feed == 0:
-                    to_sample.append((request, logits[i]))
+                    to_sample.append((request, _row(out, i)))
         if plan.decode:
             work = [ChunkWork(r.slot, np.asarray(r.all_ids[-1:], np.int32), r.length - 1,
                               np.asarray(r.all_ids[:-1], np.int32), r.floor) for r in plan.decode]
-            logits = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.slots_per_rank, tokens=1)
-            for request, row in zip(plan.decode, logits):
+            out = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.slots_per_rank, tokens=1,
+                                  sample=self._step_sampling(plan.decode, [True] * len(work)))
+            for i, request in enumerate(plan.decode):
                 request.computed += 1
-                to_sample.append((request, row))
+                to_sample.append((request, _row(out, i)))
         if to_sample:
-            self._sample(to_sample, finished)
+            self._accept_samples(to_sample, finished)
         self._finish_stuck(plan, finished)
         self._check_progress(plan, finished)
         self._step_count += 1
@@ -227,7 +240,16 @@ class LLMEngine:
             request.metrics.finished_time = time.time()
             outputs.append(request.to_output())
             self.requests.pop(request.request_id, None)
+        self._clear_left_slots()
         return outputs
+
+    def _clear_left_slots(self) -> None:
+        """Slots whose request finished, was aborted or preempted go back to neutral sampling."""
+        held = {r.slot for r in self.scheduler.running}
+        left = self._sampling_slots - held
+        if left:
+            self.runner.clear_sampling(sorted(left))
+            self._sampling_slots &= held
 
     def _check_progress(self, plan, finished: list[Request]) -> None:
         """Refuse to spin: a step that computed no token, finished and preempted no request
@@ -254,50 +276,38 @@ class LLMEngine:
                 finished.append(request)
 
     # ---- sampling and stop rules -------------------------------------------------------
-    def _row_params(self, request: Request) -> _RowParams:
-        params = request.params
-        bias = dict(params.logit_bias or {})
-        if len(request.output_ids) < params.min_tokens:
-            banned = list(params.stop_token_ids or [])
-            if not params.ignore_eos:
-                banned.append(self.config.eos_token_id)
-            for token in banned:
-                bias[token] = _SUPPRESS
-        return _RowParams(params, bias or None)
+    def _slot_row(self, request: Request) -> sampling_state.SlotRow:
+        """The request's sampling state, for the slot it was admitted to (its output so far
+        counts: a preempted request resumes where it was)."""
+        return sampling_state.slot_row(
+            request.params, seed=request.seed, vocab_size=self.config.vocab_size,
+            max_logit_bias=self.runner.max_logit_bias, max_bans=self.runner.max_bans,
+            eos_token_id=self.config.eos_token_id, prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_ids)
 
-    def _sample(self, rows: list[tuple[Request, np.ndarray]], finished: list[Request]) -> None:
-        requests = [r for r, _ in rows]
-        logits = np.stack([l for _, l in rows])
-        batch = token_bucket(len(requests), minimum=8)
-        logits = np.concatenate([logits, np.zeros((batch - len(requests), logits.shape[1]), logits.dtype)])
-        tensors = sampler.build_sampling_tensors(
-            [self._row_params(r) for r in requests], [r.length for r in requests],
-            [r.prompt_token_ids for r in requests], [r.output_ids for r in requests],
-            vocab_size=self.config.vocab_size, batch_size=batch)
-        want = max((r.params.logprobs or 0) for r in requests)
-        n_logprobs = 0 if want == 0 and all(r.params.logprobs is None for r in requests) else MAX_LOGPROBS
-        self._rng, key = jax.random.split(self._rng)
-        out = sampler.sample(logits, tensors, key, num_logprobs=n_logprobs)
-        tokens = np.asarray(out.tokens)
-        token_logprobs = np.asarray(out.logprobs)
-        ranks = np.asarray(out.ranks)
-        top_ids = None if out.top_ids is None else np.asarray(out.top_ids)
-        top_lp = None if out.top_logprobs is None else np.asarray(out.top_logprobs)
+    @staticmethod
+    def _step_sampling(emitting: list[Request], emit: list[bool]) -> StepSampling:
+        """Log-probabilities are computed in a step only when one of its sampled rows asks."""
+        wants = any(r.params.logprobs is not None for r in emitting)
+        return StepSampling(emit, MAX_LOGPROBS if wants else None)
+
+    def _accept_samples(self, rows: list[tuple[Request, SampleOutput]], finished: list[Request]) -> None:
+        """Append each request's sampled token (and its logprobs), then apply the stop rules."""
         now = time.time()
-        for i, request in enumerate(requests):
-            token = int(tokens[i])
+        for request, out in rows:
+            token = int(out.tokens)
             request.output_ids.append(token)
             self.stats["generation_tokens"] += 1
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
             if request.logprobs is not None:
-                entry = {token: Logprob(float(token_logprobs[i]), int(ranks[i]), self._decode_one(token))}
+                entry = {token: Logprob(float(out.logprobs), int(out.ranks), self._decode_one(token))}
                 for j in range(request.params.logprobs):
-                    alt = int(top_ids[i, j])
-                    entry.setdefault(alt, Logprob(float(top_lp[i, j]), j + 1, self._decode_one(alt)))
+                    alt = int(out.top_ids[j])
+                    entry.setdefault(alt, Logprob(float(out.top_logprobs[j]), j + 1, self._decode_one(alt)))
                 request.logprobs.append(entry)
-                request.cumulative_logprob += float(token_logprobs[i])
+                request.cumulative_logprob += float(out.logprobs)
             if self._check_stop(request, token):
                 request.status = Status.FINISHED
                 finished.append(request)
@@ -334,6 +344,12 @@ class LLMEngine:
             self._flush_text(request)
             return True
         return False
+
+
+def _row(out: SampleOutput, i: int) -> SampleOutput:
+    """Row `i` of a step's sampled outputs."""
+    return SampleOutput(*(None if a is None else a[i] for a in
+                          (out.tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)))
 
 
 __all__ = ["AdmissionError", "EngineConfig", "EngineStalledError", "LLMEngine"]

@@ -38,6 +38,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    seed: int = 0  # of the counter-based sampling noise: the params' seed, or one the engine drew
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
 
     @property

@@ -1,6 +1,10 @@
 """The model runner: turns scheduled work into padded, bucketed `StepBatch`es, runs the jitted
 steps on the device cache (donated), and logs the compile time of every new shape bucket.
 
+It also owns the per-slot sampling state (`sampling_state.py`): the engine writes a slot's row when
+it admits a request and clears it when the request leaves; a step run with `sample=` samples on
+the device (`device_step.py`) and returns tokens, not logits.
+
 Shapes are static per bucket: prefill rows are padded to a power-of-two token count (from 128),
 decode always runs all slots with one token each (inactive slots are padding rows).
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +27,9 @@ from deepinfer.model.forward import engram_hash_ids
 from deepinfer.model.kv_cache import CacheLayout, init_cache, reset_slots
 from deepinfer.model.step import StepBatch, forward_step
 from deepinfer.pallas_kernels.registry import KernelConfig
+from deepinfer.serve.engine import sampling_state
+from deepinfer.serve.engine.device_step import engine_step
+from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -35,6 +43,15 @@ class ChunkWork:
     start: int  # position of tokens[0]
     history: np.ndarray  # the sequence's tokens before `start` (for Engram look-back)
     floor: int = 0  # decoder replay start of the sequence (compact prefill); 0 = full fidelity
+
+
+@dataclass(frozen=True)
+class StepSampling:
+    """Sample in the step: `emit[i]` says whether work row i's token is kept (it ends its
+    sequence's input); `num_logprobs` (None: none) as in `sampler.sample`."""
+
+    emit: list[bool]
+    num_logprobs: int | None = None
 
 
 def token_bucket(n: int, minimum: int = 128) -> int:
@@ -69,7 +86,7 @@ class ModelRunner:
     tokens each layer routed to each expert (`expert_load`, for EPLB)."""
 
     def __init__(self, params: dict, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None = None,
-                 mesh=None, keep_logical_experts: bool = False):
+                 mesh=None, keep_logical_experts: bool = False, max_logit_bias: int = 128, max_bans: int = 33):
         self.config = config
         self.layout = layout
         self.kernels = kernels
@@ -89,6 +106,16 @@ class ModelRunner:
             self.params = params
             with jax.default_device(_device_of(params)):  # the cache goes where the params are
                 self.cache = _placed_like_params(init_cache(config, layout), params)
+        self.max_logit_bias, self.max_bans = max_logit_bias, max_bans
+        make_state = partial(sampling_state.init_state, layout.num_slots, config.vocab_size, max_logit_bias, max_bans)
+        if mesh is not None:  # every slot's row on its dp rank, like the slot's cache
+            shardings = self.mesh_step.per_slot_shardings(jax.eval_shape(make_state))
+            self.sampling = jax.jit(make_state, out_shardings=shardings)()
+            self._write_slot, self._clear_slots = sampling_state.jitted_writers(shardings)
+        else:
+            with jax.default_device(_device_of(params)):
+                self.sampling = _placed_like_params(make_state(), params)
+            self._write_slot, self._clear_slots = sampling_state.write_slot, sampling_state.clear_slots
         self.expert_load = np.zeros((config.num_hidden_layers, config.n_routed_experts), np.int64)
         self._compiled: set = set()
         self.compile_seconds: dict[tuple, float] = {}
@@ -100,6 +127,22 @@ class ModelRunner:
             self.cache = self.mesh_step.reset(self.cache, slots)  # global slot ids are rank-major
         else:
             self.cache = reset_slots(self.cache, jnp.asarray(slots, jnp.int32))
+
+    def write_sampling(self, slot: int, row: sampling_state.SlotRow) -> None:
+        """Slot `slot` (global id) samples with `row` from the next step on."""
+        args = (np.int32(slot), row)
+        if self.mesh_step is not None:  # global inputs, as every process's runtime needs them
+            args = self.mesh_step.replicate(args)
+        self.sampling = self._write_slot(self.sampling, *args)
+
+    def clear_sampling(self, slots: list[int]) -> None:
+        """Slots whose request left go back to neutral (greedy, nothing biased or counted)."""
+        if slots:
+            padded = np.full((self.layout.num_slots,), self.layout.num_slots, np.int32)  # one shape
+            padded[: len(slots)] = slots
+            if self.mesh_step is not None:
+                padded = self.mesh_step.replicate(padded)
+            self.sampling = self._clear_slots(self.sampling, padded)
 
     def _hash_ids(self, work: list[ChunkWork], T: int) -> np.ndarray | None:
         if not self.config.engram_layer_ids:
@@ -116,11 +159,15 @@ class ModelRunner:
         return np.stack(rows)
 
     def run(self, work: list[ChunkWork], page_table: np.ndarray, *, rows: int, tokens: int,
-            all_logits: bool = False, decoder: bool = True) -> np.ndarray | None:
+            all_logits: bool = False, decoder: bool = True,
+            sample: StepSampling | None = None) -> np.ndarray | SampleOutput | None:
         """Run one step over `work` padded to `rows` rows PER dp RANK x `tokens`; returns fp32
         logits `[len(work), vocab]` at each row's last token (or `[len(work), tokens, vocab]`),
         in `work`'s order; None for a compact-prefill chunk below the replay floor
-        (`decoder=False`)."""
+        (`decoder=False`). With `sample`, the step samples on the device instead and returns the
+        rows' `SampleOutput` (numpy, `work`'s order); the logits stay there."""
+        if sample is not None and (all_logits or not decoder or len(sample.emit) != len(work)):
+            raise ValueError("a sampling step needs the decoder, last-token logits and one emit flag per work row")
         T, per_rank, dp = tokens, self.layout.slots_per_rank, self.layout.dp
         B = rows * dp
         longest = max(w.start + len(w.tokens) for w in work)
@@ -161,10 +208,29 @@ class ModelRunner:
             full[row_of] = hash_ids
             hash_ids = full
         batch = StepBatch(tok, pos, slots, table, hash_ids, last, floor)
-        key = ("prefill" if T > 1 else "decode", B, T, n_pages, all_logits, decoder)
+        head = None
+        if sample is not None:
+            head = Sampler(sample.num_logprobs)
+            emit = np.zeros((B,), np.bool_)
+            emit[row_of] = sample.emit
+            sample_rows = SampleRows(emit, pos.max(axis=1) + 1)  # the position each row samples
+        key = ("prefill" if T > 1 else "decode", B, T, n_pages, all_logits, decoder, head)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation(key[0]):
-            if self.mesh_step is not None:
+            if head is not None:
+                if self.mesh_step is not None:
+                    self.cache, self.sampling, out, counts = self.mesh_step(
+                        self.params, self.cache, batch, all_logits=False, decoder=True, head=head,
+                        head_state=self.sampling, head_rows=sample_rows)
+                else:
+                    batch, sample_rows = jax.tree.map(jnp.asarray, (batch, sample_rows))
+                    self.cache, self.sampling, out, counts = engine_step(
+                        self.params, self.cache, self.sampling, batch, sample_rows, config=self.config,
+                        layout=self.layout, kernels=self.kernels, head=head)
+                out, counts = jax.device_get((out, counts))  # one transfer: tokens, no logits
+                self.expert_load += counts
+                logits = jax.tree.map(lambda a: a[row_of], out)
+            elif self.mesh_step is not None:
                 self.cache, logits, counts = self.mesh_step(self.params, self.cache, batch,
                                                             all_logits=all_logits, decoder=decoder)
             else:
@@ -173,8 +239,9 @@ class ModelRunner:
                                                           all_logits=all_logits, decoder=decoder, kernels=self.kernels)
             # pulling the results to the host each step also keeps the CPU backend's collectives
             # from queueing up (they deadlock when too many are in flight)
-            self.expert_load += np.asarray(counts)
-            logits = None if logits is None else np.asarray(logits)[row_of]
+            if head is None:
+                self.expert_load += np.asarray(counts)
+                logits = None if logits is None else np.asarray(logits)[row_of]
         if key not in self._compiled:
             self._compiled.add(key)
             self.compile_seconds[key] = time.perf_counter() - start

@@ -2,8 +2,9 @@
 
 The runner pads each step to a shape bucket (`runner.py`): prefill chunks are rows x tokens x
 page-count buckets, with or without the decoder layers (compact prefill runs chunks wholly below
-a prompt's replay floor encoder-only); decode runs all slots x 1 token x a page-count bucket; the
-sampler compiles per batch bucket and per kind of sampling. The first request that needs a new
+a prompt's replay floor encoder-only); decode runs all slots x 1 token x a page-count bucket. A
+step with the decoder samples on the device, every kind of sampling in one program (a request
+asking for logprobs compiles a second one on first use). The first request that needs a new
 bucket waits for its compilation (tens of seconds for a real model), which looks like a hang;
 `warm_up` runs each bucket once on dummy tokens instead, while the engine is idle.
 
@@ -16,8 +17,8 @@ of the whole context.
 It leaves the engine as it found it: no slot or page is allocated (the dummy rows go
 through the runner directly, on free slots and pages, and the touched slots are reset after; the
 free pages they wrote hold stale values, as any released page does, and are overwritten before
-they are read), the engine's counters, sampling key and the runner's expert-load statistics are
-unchanged.
+they are read; the dummy rows keep no sampled token, so the slots' sampling state is untouched),
+the engine's counters, seed generator and the runner's expert-load statistics are unchanged.
 """
 
 from __future__ import annotations
@@ -27,12 +28,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import jax
 import numpy as np
 
-from deepinfer.serve.engine.types import SamplingParams
-from deepinfer.serve.engine import sampler
-from deepinfer.serve.engine.runner import ChunkWork, token_bucket
+from deepinfer.serve.engine.runner import ChunkWork, StepSampling, token_bucket
 
 __all__ = ["StepShape", "WarmupReport", "pending_shapes", "step_shapes", "warm_up"]
 
@@ -41,20 +39,17 @@ log = logging.getLogger("deepinfer.engine")
 
 @dataclass(frozen=True)
 class StepShape:
-    """One compiled bucket. kind: "prefill" | "decode" | "sample"; rows: prefill rows per dp rank
-    (decode: all slots; sample: the padded batch); tokens: chunk tokens (1 for decode); pages:
-    page-table columns; decoder: the decoder layers run (prefill); sampling: the sampler variant."""
+    """One compiled bucket. kind: "prefill" | "decode"; rows: prefill rows per dp rank (decode:
+    all slots); tokens: chunk tokens (1 for decode); pages: page-table columns; decoder: the
+    decoder layers run (prefill; and then the step samples)."""
 
     kind: str
     rows: int
     tokens: int = 1
     pages: int = 0
     decoder: bool = True
-    sampling: str = ""
 
     def __str__(self) -> str:
-        if self.kind == "sample":
-            return f"sample {self.rows} rows ({self.sampling})"
         extra = "" if self.decoder else ", encoder only"
         return f"{self.kind} {self.rows} rows x {self.tokens} tokens x {self.pages} pages{extra}"
 
@@ -67,15 +62,6 @@ class WarmupReport:
     @property
     def total_seconds(self) -> float:
         return float(sum(self.seconds))
-
-
-# the sampler variants a plain request uses: greedy, temperature (seeded or not: same code),
-# top-p / top-k; penalties, min-p, logit bias and logprobs compile on first use
-_SAMPLING = {
-    "greedy": SamplingParams(temperature=0.0),
-    "temperature": SamplingParams(temperature=1.0),
-    "top-p/top-k": SamplingParams(temperature=1.0, top_p=0.9, top_k=40),
-}
 
 
 def _page_buckets(max_pages: int) -> list[int]:
@@ -133,9 +119,6 @@ def step_shapes(engine, max_len: int | None = None) -> list[StepShape]:
                     if fits:
                         shapes.append(StepShape("prefill", r, t, p, decoder))
     shapes += [StepShape("decode", layout.slots_per_rank, 1, p) for p in pages]
-    batches = _powers_up_to(layout.num_slots)
-    shapes += [StepShape("sample", b, sampling=name) for b in sorted({max(8, b) for b in batches})
-               for name in _SAMPLING]
     return shapes
 
 
@@ -154,25 +137,14 @@ def _run_step(engine, shape: StepShape) -> None:
     for slot in range(shape.rows):
         table[slot, :needed] = (slot * needed + np.arange(needed)) % (layout.num_pages // layout.dp)
         work.append(ChunkWork(slot, np.ones(n, np.int32), start, np.ones(start, np.int32), floor))
-    engine.runner.run(work, table, rows=shape.rows, tokens=shape.tokens, decoder=shape.decoder)
-
-
-def _run_sampler(engine, shape: StepShape) -> None:
-    params = _SAMPLING[shape.sampling]
-    vocab = engine.config.vocab_size
-    tensors = sampler.build_sampling_tensors([params], [1], [[0]], [[]], vocab_size=vocab, batch_size=shape.rows)
-    logits = np.zeros((shape.rows, vocab), np.float32)
-    _, key = jax.random.split(jax.random.key(0))  # unpacked, as the engine splits its key
-    out = sampler.sample(logits, tensors, key, num_logprobs=0)
-    np.asarray(out.tokens)
+    sample = StepSampling([False] * len(work)) if shape.decoder else None  # no token kept
+    engine.runner.run(work, table, rows=shape.rows, tokens=shape.tokens, decoder=shape.decoder, sample=sample)
 
 
 def _is_compiled(engine, shape: StepShape) -> bool:
     """`shape` ran before: warmed up earlier, or a real step of the runner used it."""
     if shape in engine.warmed_shapes:
         return True
-    if shape.kind == "sample":
-        return False
     rows = shape.rows * engine.cache.layout.dp
     return (shape.kind, rows, shape.tokens, shape.pages, False, shape.decoder) in engine.runner.compile_seconds
 
@@ -201,10 +173,7 @@ def warm_up(engine, progress: Callable[[int, int, StepShape, float], None] | Non
     try:
         for i, shape in enumerate(shapes, 1):
             t0 = time.perf_counter()
-            if shape.kind == "sample":
-                _run_sampler(engine, shape)
-            else:
-                _run_step(engine, shape)
+            _run_step(engine, shape)
             engine.warmed_shapes.add(shape)
             report.shapes.append(shape)
             report.seconds.append(time.perf_counter() - t0)

@@ -5,7 +5,12 @@ The redesign (one jitted step that samples on the device, decode that gathers on
 entries, ...) changes reduction orders, never the model: greedy tokens and their logprobs must stay
 what the old engine produced. Run this module to (re)record the fixture:
 
-    python -m tests.serve.engine_baseline
+    python -m tests.serve.engine_baseline [KIND ...]
+
+With KINDs (names of `SAMPLING`), only those are re-recorded and the others are kept as they are:
+the seeded kinds were re-recorded when the sampler's noise changed from full-vocabulary threefry
+to the counter-based hash (`serve/engine/sampler.py`); the greedy kind is still the first-wave
+engine's.
 
 Numerics: fake-quant off (float32), so two correct programs agree to ~1e-6 and a token may differ
 only where the recorded top-2 logprobs are a near-tie. The engine itself runs at its defaults
@@ -87,14 +92,27 @@ def assert_matches(ours: dict, recorded: dict, what: str) -> None:
     assert len(ours["token_ids"]) == len(recorded["token_ids"]), f"{what}: different lengths"
 
 
-def record() -> None:
+def record(kinds: list[str] | None = None) -> None:
+    """Record every kind, or only `kinds` into the existing fixture."""
+    unknown = sorted(set(kinds or ()) - set(SAMPLING))
+    if unknown:
+        raise SystemExit(f"unknown kinds {unknown}; choose from {sorted(SAMPLING)}")
     m = model()
-    data = {"prompt_lengths": list(PROMPT_LENGTHS), "max_tokens": MAX_TOKENS,
-            "outputs": {kind: generate(m, kind) for kind in SAMPLING}}
+    if kinds:
+        data = json.loads(FIXTURE.read_text())
+        if data["prompt_lengths"] != list(PROMPT_LENGTHS) or data["max_tokens"] != MAX_TOKENS:
+            raise SystemExit(f"{FIXTURE} was recorded with other prompts: record every kind")
+    else:
+        data = {"prompt_lengths": list(PROMPT_LENGTHS), "max_tokens": MAX_TOKENS, "outputs": {}}
+        kinds = list(SAMPLING)
+    for kind in kinds:
+        data["outputs"][kind] = generate(m, kind)
     FIXTURE.parent.mkdir(parents=True, exist_ok=True)
     FIXTURE.write_text(json.dumps(data, indent=0, sort_keys=True) + "\n")
-    print(f"wrote {FIXTURE}")
+    print(f"wrote {', '.join(kinds)} into {FIXTURE}")
 
 
 if __name__ == "__main__":
-    record()
+    import sys
+
+    record(sys.argv[1:])

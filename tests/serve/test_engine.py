@@ -1,5 +1,7 @@
 """The offline engine: continuous batching, abort, preemption with recompute, admission."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -175,3 +177,39 @@ def test_drafts_of_running_requests_equal_the_whole_sequence_drafter(model):
     engine.add_request("waiting", prompt(10, 7), SamplingParams(max_tokens=2, **GREEDY))
     with pytest.raises(ValueError, match="'waiting'"):
         engine.draft(["waiting"])
+
+
+def test_sampling_state_is_written_at_admission_and_cleared_when_leaving(model):
+    engine = make_engine(model)
+    params = SamplingParams(max_tokens=50, temperature=0.8, seed=5, frequency_penalty=0.5, ignore_eos=True)
+    engine.add_request("p", prompt(20, 11), params)
+    engine.add_request("unseeded", prompt(20, 11), dataclasses.replace(params, seed=None))
+    for _ in range(3):
+        engine.step()
+    request = engine.requests["p"]
+    state, slot, n = engine.runner.sampling, request.slot, len(request.output_ids)
+    assert float(state.temperature[slot]) == pytest.approx(0.8) and int(state.seed[slot]) == 5
+    assert int(state.num_output[slot]) == n == 3 and int(np.asarray(state.output_counts[slot]).sum()) == n
+    other = engine.requests["unseeded"]
+    assert other.seed != 5 and int(state.seed[other.slot]) == other.seed  # drawn by the engine
+    engine.abort("p")
+    state = engine.runner.sampling
+    assert float(state.temperature[slot]) == 0.0 and int(np.asarray(state.output_counts[slot]).sum()) == 0
+    assert float(state.temperature[other.slot]) == pytest.approx(0.8)  # the other slot keeps its state
+
+
+def test_a_preempted_sampled_request_resumes_its_sampling_state(model):
+    """Seeded sampling with penalties and min_tokens: after preemption the slot's state is
+    rebuilt from the request's output so far (counts, tokens generated), so the tokens are
+    those of a run without preemption."""
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=9, presence_penalty=0.8, frequency_penalty=0.4,
+                            repetition_penalty=1.3, min_tokens=70, ignore_eos=False)
+    outputs = {}
+    for pages in (5, None):
+        engine = make_engine(model, num_pages=pages, max_model_len=320)
+        engine.add_request("x", prompt(130, 5), dataclasses.replace(params, seed=1))
+        engine.add_request("y", prompt(130, 6), params)
+        outputs[pages] = {rid: out.outputs[0].token_ids for rid, out in run(engine).items()}
+        assert engine.scheduler.num_preemptions >= (1 if pages else 0)
+    assert outputs[5] == outputs[None]
+    assert all(len(set(tokens)) > 30 for tokens in outputs[5].values())  # sampled, penalised

@@ -1,4 +1,7 @@
-"""Tests for the jitted batch sampler (deepinfer.serve.engine.sampler)."""
+"""The on-device sampler (`serve.engine.sampler`) and its per-slot state (`sampling_state`):
+each parameter against a plain numpy reference, the distribution it draws from, batch
+independence of the counter-based noise, the state the step advances, and logprobs only when
+asked."""
 
 from __future__ import annotations
 
@@ -10,11 +13,18 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from deepinfer.serve.engine.sampler import (
-    apply_penalties_and_bias,
-    build_sampling_tensors,
-    sample,
+from deepinfer.serve.engine import sampler as S
+from deepinfer.serve.engine.sampling_state import (
+    check_capacity,
+    clear_slots,
+    init_state,
+    slot_row,
+    write_slot,
 )
+
+MAX_BIAS, MAX_BANS, EOS = 4, 3, 1
+_sample = jax.jit(S.sample, static_argnames="num_logprobs")
+_process = jax.jit(S.process_logits)
 
 
 def P(**kw):
@@ -22,46 +32,177 @@ def P(**kw):
     return types.SimpleNamespace(**kw)
 
 
-def log_softmax_np(x):
-    x = np.asarray(x, np.float64)
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+def make_state(params, V, seeds=None, prompts=None, outputs=None, slots=None):
+    """A state of len(params) slots (or max(slots) + 1), request i in slot slots[i]."""
+    n = len(params)
+    slots = list(range(n)) if slots is None else slots
+    state = init_state(max(slots) + 1, V, MAX_BIAS, MAX_BANS)
+    for i, p in enumerate(params):
+        row = slot_row(p, seed=(seeds[i] if seeds is not None else i), vocab_size=V, max_logit_bias=MAX_BIAS,
+                       max_bans=MAX_BANS, eos_token_id=EOS, prompt_token_ids=prompts[i] if prompts else (),
+                       output_token_ids=outputs[i] if outputs else ())
+        state = write_slot(state, np.int32(slots[i]), row)
+    return state
 
 
-def softmax_np(x):
-    return np.exp(log_softmax_np(x))
+def draw(logits, state, positions, slots=None, emit=None, num_logprobs=None):
+    B = logits.shape[0]
+    slots = np.arange(B, dtype=np.int32) if slots is None else np.asarray(slots, np.int32)
+    emit = np.ones(B, bool) if emit is None else np.asarray(emit)
+    rows = S.SampleRows(emit, np.asarray(positions, np.int32))
+    return _sample(jnp.asarray(logits, jnp.float32), state, slots, rows, num_logprobs=num_logprobs)
 
 
-def sample_rows(logits_row, params, n, *, position=0, seed0=0, key=0):
-    """`n` draws of one distribution: n seeded rows (seeds seed0..) in a single batch."""
-    logits_row = np.asarray(logits_row, np.float32)
-    plist = [P(seed=seed0 + i, **params) for i in range(n)]
-    t = build_sampling_tensors(plist, [position] * n, vocab_size=logits_row.size)
-    logits = np.broadcast_to(logits_row, (n, logits_row.size))
-    return np.asarray(sample(logits, t, jax.random.key(key)).tokens)
+# ------------------------------------------------------------------------- numpy reference
 
 
-# ------------------------------------------------------------------------------------- greedy
+def _mix(x):
+    x = np.atleast_1d(np.asarray(x, np.uint32))  # arrays wrap around silently, scalars warn
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
 
 
-def test_greedy_equals_argmax():
-    logits = np.asarray(jax.random.normal(jax.random.key(0), (6, 97)), np.float32)
-    # All-greedy batch (the compiled path skips the noise), with padding rows.
-    t = build_sampling_tensors([P(temperature=0.0)] * 4 + [P(temperature=1e-7)] * 2,
-                               list(range(6)), vocab_size=97, batch_size=8)
-    assert t.all_greedy
-    out = sample(np.concatenate([logits, logits[:2]]), t, jax.random.key(1))
-    np.testing.assert_array_equal(np.asarray(out.tokens)[:6], logits.argmax(-1))
-    # Greedy rows mixed with random rows that carry truncation settings.
-    plist = [P(temperature=0.0, top_k=3, top_p=0.5, seed=5),
-             P(temperature=1.3, top_k=4, min_p=0.1)] * 3
-    t = build_sampling_tensors(plist, list(range(6)), vocab_size=97)
-    assert not t.all_greedy
-    out = sample(logits, t, jax.random.key(2))
-    np.testing.assert_array_equal(np.asarray(out.tokens)[0::2], logits[0::2].argmax(-1))
+def ref_gumbel(key, ids):
+    bits = _mix(np.uint32(key) ^ _mix(np.asarray(ids, np.uint32) + np.uint32(0x9E3779B9)))
+    u = (bits >> np.uint32(9)).astype(np.float64) * 2.0 ** -23 + 2.0 ** -24
+    return -np.log(-np.log(u))
 
 
-# -------------------------------------------------------------------------------- temperature
+def ref_key(seed, position):
+    return _mix(_mix(seed) ^ (np.atleast_1d(np.uint32(position)) * np.uint32(0x9E3779B9)))[0]
+
+
+def ref_process(x, p, prompt, output):
+    """Steps 1-2 in float32, one row."""
+    x = np.asarray(x, np.float32).copy()
+    for tid, value in (getattr(p, "logit_bias", None) or {}).items():
+        x[tid] += np.float32(value)
+    if len(output) < getattr(p, "min_tokens", 0):
+        banned = set(getattr(p, "stop_token_ids", None) or [])
+        if not getattr(p, "ignore_eos", False):
+            banned.add(EOS)
+        for tid in banned:
+            x[tid] += np.float32(S.BAN)
+    rep = np.float32(getattr(p, "repetition_penalty", 1.0))
+    pres = np.float32(getattr(p, "presence_penalty", 0.0))
+    freq = np.float32(getattr(p, "frequency_penalty", 0.0))
+    if rep != 1 or pres != 0 or freq != 0:
+        for tid in set(prompt) | set(output):  # repetition: prompt and output
+            x[tid] = x[tid] / rep if x[tid] > 0 else x[tid] * rep
+        for tid in set(output):  # presence / frequency: output only
+            x[tid] -= freq * np.float32(output.count(tid)) + pres
+    return x
+
+
+def ref_keep(scaled, p):
+    """Step 4's masks (min-p, then top-k with ties to the lower id, then top-p), one row."""
+    keep = np.ones(scaled.shape, bool)
+    min_p = getattr(p, "min_p", 0.0)
+    if min_p > 0:
+        probs = np.exp(scaled - scaled.max())
+        keep &= probs >= min_p * probs.max() * (1 - 1e-6)
+    order = np.argsort(-np.where(keep, scaled, -np.inf), kind="stable")
+    k = getattr(p, "top_k", 0) or len(scaled)
+    top = order[:k]
+    probs = np.exp(scaled[top] - scaled[top].max())
+    probs /= probs.sum()
+    top_p = getattr(p, "top_p", 1.0)
+    before = np.cumsum(probs) - probs
+    kept = top[(before < top_p) | (np.arange(len(top)) == 0)] if top_p < 1 else top
+    mask = np.zeros(scaled.shape, bool)
+    mask[kept] = True
+    return keep & mask
+
+
+def ref_token(x, p, seed, position, prompt=(), output=()):
+    """The reference sampler for one row: processing, masks and the two-level Gumbel-max draw."""
+    processed = ref_process(x, p, list(prompt), list(output))
+    t = getattr(p, "temperature", 1.0)
+    if t < 1e-5:
+        return int(np.argmax(processed))
+    scaled = processed.astype(np.float64) / np.float32(t)
+    scaled = np.where(ref_keep(scaled, p), scaled, -np.inf)
+    V = len(scaled)
+    nb = -(-V // S.BLOCK)
+    blocks = np.full(nb * S.BLOCK, -np.inf)
+    blocks[:V] = scaled
+    blocks = blocks.reshape(nb, S.BLOCK)
+    with np.errstate(divide="ignore"):
+        top = blocks.max(-1)
+        safe = np.where(np.isfinite(top), top, 0.0)
+        lse = np.log(np.exp(blocks - safe[:, None]).sum(-1)) + safe
+    key = ref_key(seed, position)
+    b = int(np.argmax(lse + ref_gumbel(_mix(key ^ np.uint32(0x5BD1E995)), np.arange(nb))))
+    ids = b * S.BLOCK + np.arange(S.BLOCK)
+    return int(b * S.BLOCK + np.argmax(blocks[b] + ref_gumbel(key, ids)))
+
+
+# ------------------------------------------------------------------- parameters vs reference
+
+
+V_REF, B_REF = 700, 16  # three blocks, the last one partial
+
+CASES = {
+    "greedy": dict(temperature=0.0),
+    "temperature_low": dict(temperature=0.5),
+    "temperature_high": dict(temperature=1.7),
+    "top_k": dict(temperature=1.0, top_k=7),
+    "top_p": dict(temperature=0.9, top_p=0.6),
+    "top_k_top_p": dict(temperature=1.2, top_k=30, top_p=0.8),
+    "min_p": dict(temperature=1.0, min_p=0.3),
+    "repetition": dict(temperature=0.0, repetition_penalty=1.8),
+    "repetition_sampled": dict(temperature=1.0, repetition_penalty=0.7),
+    "presence": dict(temperature=1.0, presence_penalty=1.5),
+    "frequency": dict(temperature=0.0, frequency_penalty=-1.2),
+    "logit_bias": dict(temperature=1.0, logit_bias={3: 6.0, 650: 8.0, 11: -5.0}),
+    "min_tokens": dict(temperature=0.0, min_tokens=5, stop_token_ids=[4, 9]),
+    "min_tokens_ignore_eos": dict(temperature=1.0, min_tokens=5, stop_token_ids=[4], ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_parameter_matches_the_numpy_reference(case):
+    rng = np.random.default_rng(sorted(CASES).index(case))
+    logits = rng.normal(size=(B_REF, V_REF)).astype(np.float32) * 2
+    logits[:, [EOS, 4, 9]] += 4  # the banned tokens would win without the ban
+    prompts = [rng.integers(0, V_REF, 12).tolist() for _ in range(B_REF)]
+    outputs = [rng.integers(0, 40, int(rng.integers(0, 9))).tolist() for _ in range(B_REF)]  # repeats
+    params = [P(**CASES[case]) for _ in range(B_REF)]
+    seeds = rng.integers(0, 1 << 32, B_REF, dtype=np.uint64).tolist()
+    positions = rng.integers(0, 5000, B_REF)
+    slots = rng.permutation(B_REF + 3)[:B_REF]  # rows read their own slot, wherever it is
+    state = make_state(params, V_REF, seeds, prompts, outputs, slots=slots.tolist())
+
+    got = np.asarray(_process(jnp.asarray(logits), state, jnp.asarray(slots, jnp.int32), jnp.ones(B_REF, bool)))
+    expected = np.stack([ref_process(logits[b], params[b], prompts[b], outputs[b]) for b in range(B_REF)])
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-5)
+    if case in ("repetition", "presence", "frequency", "logit_bias", "min_tokens"):
+        assert not np.allclose(got, logits)  # the parameter did something
+
+    _, out = draw(logits, state, positions, slots=slots)
+    ref = [ref_token(logits[b], params[b], seeds[b], positions[b], prompts[b], outputs[b]) for b in range(B_REF)]
+    assert np.asarray(out.tokens).tolist() == ref
+    if case.startswith("min_tokens"):  # outputs shorter than 5 never end early
+        for b in range(B_REF):
+            banned = {4, 9} if case == "min_tokens" else {4}
+            if len(outputs[b]) < 5:
+                assert ref[b] not in banned
+
+
+def test_blocked_argmax_is_the_first_maximum():
+    x = np.random.default_rng(0).normal(size=(6, 700)).astype(np.float32)
+    x[1, [5, 300, 690]] = 9.0  # ties across blocks: the lowest id
+    x[2, 699] = 9.0  # in the partial last block
+    x[3] = -np.inf
+    x[3, 256] = 0.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(S.blocked_argmax)(x)), [*x[:3].argmax(-1), 256,
+                                                                             *x[4:].argmax(-1)])
+
+
+# ------------------------------------------------------------------------------ distributions
 
 
 def chi2_stat(counts, probs):
@@ -69,36 +210,23 @@ def chi2_stat(counts, probs):
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-@pytest.mark.parametrize("seeded", [True, False])
-def test_temperature_matches_softmax_distribution(seeded):
-    V, N, T = 8, 4000, 0.5
-    logits = np.array([1.0, 0.2, -0.5, 0.8, -1.2, 0.0, 0.5, -0.3], np.float32)
-    if seeded:
-        tokens = sample_rows(logits, {"temperature": T}, N, position=11)
-    else:
-        t = build_sampling_tensors([P(temperature=T)] * N, [11] * N, vocab_size=V)
-        tokens = np.asarray(sample(np.broadcast_to(logits, (N, V)), t, jax.random.key(7)).tokens)
-    counts = np.bincount(tokens, minlength=V).astype(np.float64)
-    critical = stats.chi2.ppf(1 - 1e-3, df=V - 1)
-    assert chi2_stat(counts, softmax_np(logits / T)) < critical
-    # The test has the power to reject the usual mistakes: 1/T instead of T, and T ignored.
-    assert chi2_stat(counts, softmax_np(logits * T)) > 10 * critical
-    assert chi2_stat(counts, softmax_np(logits)) > 10 * critical
-
-
-# ------------------------------------------------------------------------------- truncation
-
-
-def test_top_k_never_outside_top_k():
-    V, B, k = 100, 256, 5
-    logits = np.asarray(jax.random.normal(jax.random.key(3), (B, V)), np.float32)
-    t = build_sampling_tensors([P(temperature=3.0, top_k=k, seed=i) for i in range(B)],
-                               [9] * B, vocab_size=V)
-    tokens = np.asarray(sample(logits, t, jax.random.key(0)).tokens)
-    top = np.argsort(-logits, axis=1)[:, :k]
-    assert all(tok in row for tok, row in zip(tokens, top))
-    ranks = np.array([list(row).index(tok) for tok, row in zip(tokens, top)])
-    assert len(set(ranks.tolist())) == k  # every one of the k survivors gets drawn
+def test_draws_follow_the_softmax_across_blocks():
+    """Eight likely tokens spread over three blocks (the rest far less likely): 4000 draws from
+    1000 seeds x 4 positions match softmax(logits / T), and not the usual mistakes."""
+    V, T, N = 700, 0.5, 1000
+    ids = np.array([2, 100, 255, 256, 400, 511, 600, 699])
+    logits = np.full(V, -40.0, np.float32)
+    logits[ids] = [1.0, 0.2, -0.5, 0.8, -1.2, 0.0, 0.5, -0.3]
+    state = make_state([P(temperature=T)] * N, V, seeds=list(range(N)))
+    tokens = np.concatenate([np.asarray(draw(np.tile(logits, (N, 1)), state, np.full(N, pos))[1].tokens)
+                             for pos in (3, 4, 5, 1000)])
+    assert set(tokens.tolist()) <= set(ids.tolist())
+    counts = np.array([(tokens == i).sum() for i in ids], np.float64)
+    critical = stats.chi2.ppf(1 - 1e-3, df=len(ids) - 1)
+    probs = lambda x: np.exp(x - x.max()) / np.exp(x - x.max()).sum()  # noqa: E731
+    assert chi2_stat(counts, probs(logits[ids] / T)) < critical
+    assert chi2_stat(counts, probs(logits[ids] * T)) > 10 * critical  # 1/T instead of T
+    assert chi2_stat(counts, probs(logits[ids])) > 10 * critical  # T ignored
 
 
 NUCLEUS_PROBS = np.array([0.5, 0.3, 0.15, 0.05])
@@ -110,240 +238,139 @@ NUCLEUS_PROBS = np.array([0.5, 0.3, 0.15, 0.05])
         ({"top_p": 0.79}, {0, 1}),
         ({"top_p": 0.81}, {0, 1, 2}),
         ({"top_p": 0.45}, {0}),
-        ({"top_p": 0.99}, {0, 1, 2, 3}),
         ({"top_p": 1e-6}, {0}),  # at least one token survives
         # top-p applies to the probabilities renormalised after top-k: {0.625, 0.375}
         ({"top_k": 2, "top_p": 0.6}, {0}),
         ({"top_k": 2, "top_p": 0.7}, {0, 1}),
-        # min-p: keep p >= min_p * p_max
-        ({"min_p": 0.2}, {0, 1, 2}),
-        ({"min_p": 0.5}, {0, 1}),
+        ({"min_p": 0.2}, {0, 1, 2}),  # keep p >= min_p * p_max
         ({"min_p": 0.9}, {0}),
         # min-p sees temperature-scaled probabilities: at T = 0.5 they are ~[.685, .247, .062, .007]
         ({"min_p": 0.2, "temperature": 0.5}, {0, 1}),
     ],
 )
 def test_truncation_keeps_exactly_the_expected_set(params, expected):
-    tokens = sample_rows(np.log(NUCLEUS_PROBS), params, 2000, position=3)
-    assert set(tokens.tolist()) == expected
+    N = 1000
+    state = make_state([P(**params)] * N, 4, seeds=list(range(N)))
+    _, out = draw(np.tile(np.log(NUCLEUS_PROBS), (N, 1)), state, np.full(N, 3))
+    assert set(np.asarray(out.tokens).tolist()) == expected
 
 
-# -------------------------------------------------------------------------------- penalties
+# ------------------------------------------------------------------------------- determinism
 
 
-def test_penalties_match_hand_computation():
-    V = 10
-    raw = np.array([1.5, -2.0, 3.0, 0.5, -0.4, 2.2, 0.0, -1.0, 0.7, 1.1], np.float32)
-    logits = np.stack([raw, raw, raw])
-    prompt = [[1, 2, 7, 7], [1, 2], [1, 2, 3]]
-    output = [[2, 3, 3, 4, 9], [3, 5, 5], [3, 4]]
-    plist = [
-        P(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0),
-        P(temperature=0.0, presence_penalty=-0.3, frequency_penalty=0.4),
-        P(temperature=0.0),
-    ]
-    t = build_sampling_tensors(plist, [4, 3, 5], prompt, output, vocab_size=V)
-    got = np.asarray(apply_penalties_and_bias(logits, t))
-
-    expected = logits.astype(np.float64).copy()
-    for b, p in enumerate(plist):
-        rep = getattr(p, "repetition_penalty", 1.0)
-        pres = getattr(p, "presence_penalty", 0.0)
-        freq = getattr(p, "frequency_penalty", 0.0)
-        for tok in set(prompt[b]) | set(output[b]):  # repetition: prompt and output
-            x = expected[b, tok]
-            expected[b, tok] = x / rep if x > 0 else x * rep
-        for tok in set(output[b]):  # presence / frequency: output only
-            expected[b, tok] -= freq * output[b].count(tok) + pres
-    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
-    # Spot checks written out by hand.
-    assert got[0, 2] == pytest.approx(3.0 / 2 - 0.25 - 0.5)  # prompt+output, positive
-    assert got[0, 1] == pytest.approx(-2.0 * 2)  # prompt only, negative: multiplied
-    assert got[0, 7] == pytest.approx(-1.0 * 2)
-    assert got[0, 3] == pytest.approx(0.5 / 2 - 0.5 - 0.5)
-    assert got[1, 1] == pytest.approx(-2.0) and got[1, 2] == pytest.approx(3.0)  # prompt untouched
-    assert got[1, 5] == pytest.approx(2.2 - 0.8 + 0.3)
-    np.testing.assert_array_equal(got[2], raw)  # no penalties: unchanged
-
-    # Greedy decoding picks the argmax of the penalised logits.
-    tokens = np.asarray(sample(logits, t, jax.random.key(0)).tokens)
-    np.testing.assert_array_equal(tokens, expected.argmax(-1))
-    assert tokens[0] != raw.argmax()
+V_DET = 1000
 
 
-def test_penalty_history_is_sparse_and_deduplicated():
-    t = build_sampling_tensors(
-        [P(repetition_penalty=1.3), P(frequency_penalty=0.1), P()], [0, 0, 0],
-        [[4, 4, 9, -1], [1, 1, 1], [2]], [[9, 9, 5], [7, 7], [3]], vocab_size=12, batch_size=4)
-    assert t.seen_ids.shape == (4, 8)
-    np.testing.assert_array_equal(t.seen_ids[0, :3], [4, 5, 9])
-    np.testing.assert_array_equal(t.seen_output_counts[0, :3], [0, 1, 2])
-    np.testing.assert_array_equal(t.seen_ids[1, :1], [7])  # no repetition penalty: prompt unused
-    np.testing.assert_array_equal(t.seen_output_counts[1, :1], [2])
-    assert (t.seen_ids[1, 1:] == -1).all() and (t.seen_ids[2:] == -1).all()
-    none = build_sampling_tensors([P(), P()], [0, 0], [[1]] * 2, [[2]] * 2, vocab_size=12)
-    assert not none.do_penalties and none.seen_ids.shape == (2, 0)
+def target_logits(position):
+    return np.asarray(2 * np.random.default_rng(100 + position).normal(size=V_DET), np.float32)
 
 
-# ------------------------------------------------------------------------------- logit bias
+def seeded_sequence(seed, rng=None, batch=1, row_of=lambda pos: 0):
+    """A top-p request's tokens over 20 positions, placed in a batch of other requests."""
+    rng = rng or np.random.default_rng(0)
+    tokens = []
+    for pos in range(20):
+        row = row_of(pos)
+        others = [P(temperature=float(rng.uniform(0.3, 2.0)), top_k=int(rng.integers(0, 50)),
+                    min_p=float(rng.choice([0.0, 0.02])), presence_penalty=float(rng.choice([0.0, 0.5])))
+                  for _ in range(batch - 1)]
+        params = others[:row] + [P(temperature=1.0, top_p=0.95)] + others[row:]
+        seeds = [int(s) for s in rng.integers(0, 1 << 31, batch)]
+        seeds[row] = seed
+        positions = rng.integers(0, 5000, batch)
+        positions[row] = pos
+        histories = [rng.integers(0, V_DET, 6).tolist() for _ in range(batch)]
+        state = make_state(params, V_DET, seeds, histories, histories)
+        logits = rng.normal(size=(batch, V_DET)).astype(np.float32) * 2
+        logits[row] = target_logits(pos)
+        tokens.append(int(np.asarray(draw(logits, state, positions)[1].tokens)[row]))
+    return tokens
 
 
-def test_logit_bias_forces_token():
-    V = 64
-    logits = np.asarray(jax.random.normal(jax.random.key(4), (4, V)), np.float32)
-    low = int(logits[0].argmin())
-    plist = [
-        P(temperature=0.0, logit_bias={low: 100.0}),
-        P(temperature=1.0, seed=3, logit_bias={low: 100.0, 5: -3.0}),
-        P(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0}),
-        P(temperature=0.0),
-    ]
-    t = build_sampling_tensors(plist, [1, 2, 3, 4], vocab_size=V)
-    out = sample(logits, t, jax.random.key(0))
-    assert out.top_ids is None and out.top_logprobs is None  # num_logprobs = 0
-    tokens = np.asarray(out.tokens)
-    assert tokens[0] == low and tokens[1] == low
-    assert tokens[2] == np.argsort(-logits[2])[1]
-    assert tokens[3] == logits[3].argmax()
-    # Reported log-probabilities stay those of the raw model distribution.
-    np.testing.assert_allclose(np.asarray(out.logprobs)[0], log_softmax_np(logits[0])[low],
-                               rtol=1e-5)
-    assert np.asarray(out.ranks)[0] == V
-    with pytest.raises(ValueError):
-        build_sampling_tensors([P(logit_bias={V: 1.0})], [0], vocab_size=V)
+def test_a_seeded_request_is_batch_invariant():
+    alone = seeded_sequence(1234)
+    assert len(set(alone)) > 10  # really sampling, not a fixed token
+    assert seeded_sequence(1234, np.random.default_rng(1), batch=5, row_of=lambda p: p % 5) == alone
+    assert seeded_sequence(1234, np.random.default_rng(2), batch=13, row_of=lambda p: (7 * p + 3) % 13) == alone
+    other = seeded_sequence(1235)
+    assert sum(x != y for x, y in zip(alone, other)) >= 10  # another seed, other tokens
+
+
+# ------------------------------------------------------------------------ the state it keeps
+
+
+def test_the_step_counts_kept_tokens_only():
+    V = 300
+    logits = np.full((3, V), -5.0, np.float32)
+    logits[:, 7] = 5.0
+    params = [P(temperature=0.0, frequency_penalty=2.0, presence_penalty=0.0)] * 3
+    state = make_state(params, V, outputs=[[7, 8], [], []])
+    for _ in range(2):  # row 2 is padding: its slot is never advanced
+        state, out = draw(logits, state, [5, 6, 7], emit=[True, True, False])
+    counts = np.asarray(state.output_counts)
+    assert counts[0, 7] == 3 and counts[0, 8] == 1 and counts[1, 7] == 2 and counts[2].sum() == 0
+    np.testing.assert_array_equal(np.asarray(state.num_output), [4, 2, 0])
+    # the frequency penalty reads the counts: 5 - 2 * count falls below -5 after 5 tokens
+    tokens = []
+    for _ in range(4):
+        state, out = draw(logits, state, [5, 6, 7], emit=[True, True, False])
+        tokens.append(int(np.asarray(out.tokens)[1]))
+    assert tokens == [7, 7, 7, 0]
+
+
+def test_write_and_clear_slots():
+    V = 50
+    state = make_state([P(temperature=0.7, top_k=3, logit_bias={2: 1.0}, repetition_penalty=1.2, min_tokens=2)],
+                       V, prompts=[[1, 5]], outputs=[[5, 5, 9]], seeds=[(1 << 32) + 7])
+    assert float(state.temperature[0]) == pytest.approx(0.7) and int(state.seed[0]) == 7
+    assert int(state.num_output[0]) == 3 and int(state.output_counts[0, 5]) == 2
+    assert bool(state.prompt_seen[0, 1]) and not bool(state.prompt_seen[0, 9])
+    assert np.asarray(state.bias_ids[0]).tolist() == [2, -1, -1, -1]
+    assert np.asarray(state.ban_ids[0]).tolist() == [EOS, -1, -1]
+    cleared = clear_slots(state, np.array([0, 1], np.int32))  # 1: padding past the end
+    fresh = init_state(1, V, MAX_BIAS, MAX_BANS)
+    for a, b in zip(jax.tree.leaves(cleared), jax.tree.leaves(fresh)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("params, field", [
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"min_p": 1.5}, "min_p"),
+    ({"top_k": -2}, "top_k"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"logit_bias": {60: 1.0}}, "logit_bias"),  # outside the vocabulary
+    ({"logit_bias": {i: 1.0 for i in range(MAX_BIAS + 1)}}, "logit_bias"),  # more than the list holds
+    ({"min_tokens": 1, "stop_token_ids": [2, 3, 4]}, "stop_token_ids"),  # 3 stop ids + EOS > 3
+])
+def test_bad_rows_name_the_field(params, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        slot_row(P(**params), seed=0, vocab_size=50, max_logit_bias=MAX_BIAS, max_bans=MAX_BANS, eos_token_id=EOS)
+    check_capacity(P(min_tokens=0, stop_token_ids=[2, 3, 4]), eos_token_id=EOS, max_logit_bias=MAX_BIAS,
+                   max_bans=MAX_BANS)  # without min_tokens nothing is held back
 
 
 # --------------------------------------------------------------------------------- logprobs
 
 
-def test_logprobs_are_raw_log_softmax():
-    V, n = 200, 5
-    logits = np.asarray(3 * jax.random.normal(jax.random.key(5), (4, V)), np.float32)
-    plist = [
-        P(temperature=0.0),
-        P(temperature=0.8, top_k=20, seed=1, presence_penalty=1.0, repetition_penalty=1.5),
-        P(temperature=1.5, top_p=0.9, min_p=0.05, logit_bias={7: 4.0}),
-        P(temperature=1.0, frequency_penalty=2.0),
-    ]
-    t = build_sampling_tensors(plist, [10, 11, 12, 13], [[1, 2], [3], [], [7]],
-                               [[4], [5, 6], [7], [8, 8]], vocab_size=V)
-    out = sample(logits, t, jax.random.key(9), num_logprobs=n)
-    ref = log_softmax_np(logits)
+def test_logprobs_only_when_asked_and_raw():
+    V, n = 300, 5
+    logits = np.asarray(3 * np.random.default_rng(5).normal(size=(4, V)), np.float32)
+    params = [P(temperature=0.0), P(temperature=0.8, top_k=20, presence_penalty=1.0, repetition_penalty=1.5),
+              P(temperature=1.5, top_p=0.9, min_p=0.05, logit_bias={7: 4.0}), P(temperature=1.0)]
+    state = make_state(params, V, prompts=[[1, 2], [3], [], [7]], outputs=[[4], [5, 6], [7], [8, 8]])
+    rows = S.SampleRows(np.ones(4, bool), np.arange(10, 14, dtype=np.int32))
+    slots = np.arange(4, dtype=np.int32)
+    shape = jax.eval_shape(lambda *a: S.sample(*a, num_logprobs=None), logits, state, slots, rows)[1]
+    assert [leaf.shape for leaf in jax.tree.leaves(shape)] == [(4,)]  # the tokens alone
+    shape = jax.eval_shape(lambda *a: S.sample(*a, num_logprobs=n), logits, state, slots, rows)[1]
+    assert shape.top_ids.shape == (4, n) and shape.top_ids.dtype == jnp.int32
+
+    _, out = draw(logits, state, rows.position, num_logprobs=n)
+    _, plain = draw(logits, state, rows.position)
     tokens = np.asarray(out.tokens)
+    np.testing.assert_array_equal(tokens, np.asarray(plain.tokens))  # asking changes no token
+    ref = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(out.logprobs), ref[np.arange(4), tokens], atol=1e-5)
-    sampled_ref = ref[np.arange(4), tokens]
-    np.testing.assert_array_equal(np.asarray(out.ranks), 1 + (ref > sampled_ref[:, None]).sum(-1))
+    sampled = ref[np.arange(4), tokens]
+    np.testing.assert_array_equal(np.asarray(out.ranks), 1 + (ref > sampled[:, None]).sum(-1))
     order = np.argsort(-ref, axis=1)[:, :n]
     np.testing.assert_array_equal(np.asarray(out.top_ids), order)
-    np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(ref, order, 1),
-                               atol=1e-5)
-    assert out.top_ids.shape == (4, n) and out.top_ids.dtype == jnp.int32
-
-    full = sample(logits, t, jax.random.key(9), num_logprobs=-1)
-    np.testing.assert_allclose(np.asarray(full.top_logprobs), np.sort(ref, axis=1)[:, ::-1],
-                               atol=1e-5)
-
-
-# ------------------------------------------------------------------------------ determinism
-
-
-TARGET_V = 1000
-TARGET_PARAMS = {"temperature": 1.0, "top_p": 0.95, "seed": 1234}
-
-
-def target_logits(position):
-    noise = jax.random.normal(jax.random.key(100 + position), (TARGET_V,))
-    return np.asarray(2 * noise, np.float32)
-
-
-def seeded_sequence(seed, rng=None, batch=1, row_of=lambda pos: 0, params=None):
-    """The target request's tokens over 20 positions, placed in a batch of other requests."""
-    rng = rng or np.random.default_rng(0)
-    params = dict(TARGET_PARAMS, seed=seed, **(params or {}))
-    tokens = []
-    for pos in range(20):
-        row = row_of(pos)
-        # Other requests with random settings; the first one always carries a penalty and min-p,
-        # so each batch size compiles once (a different program from the batch of one).
-        others = [
-            P(temperature=float(rng.uniform(0.3, 2.0)), top_k=int(rng.integers(0, 50)),
-              min_p=0.02 if i == 0 else float(rng.choice([0.0, 0.02])),
-              presence_penalty=0.5 if i == 0 else float(rng.choice([0.0, 0.5])),
-              seed=int(rng.integers(1 << 31)) if rng.random() < 0.5 else None)
-            for i in range(batch - 1)
-        ]
-        plist = others[:row] + [P(**params)] + others[row:]
-        positions = [int(x) for x in rng.integers(0, 5000, batch)]
-        positions[row] = pos
-        histories = [[int(x) for x in rng.integers(0, TARGET_V, 6)] for _ in range(batch)]
-        t = build_sampling_tensors(plist, positions, histories, histories, vocab_size=TARGET_V,
-                                   batch_size=batch + (batch > 1))
-        logits = np.asarray(rng.normal(size=(t.batch_size, TARGET_V)) * 2, np.float32)
-        logits[row] = target_logits(pos)
-        out = sample(logits, t, jax.random.key(int(rng.integers(1 << 31))))
-        tokens.append(int(np.asarray(out.tokens)[row]))
-    return tokens
-
-
-def test_seeded_request_is_batch_invariant():
-    alone = seeded_sequence(1234)
-    assert len(set(alone)) > 10  # really sampling, not a fixed token
-    small = seeded_sequence(1234, np.random.default_rng(1), batch=5, row_of=lambda p: p % 5)
-    large = seeded_sequence(1234, np.random.default_rng(2), batch=13,
-                            row_of=lambda p: (7 * p + 3) % 13)
-    assert small == alone
-    assert large == alone
-
-
-def test_seeded_noise_is_keyed_by_seed_and_position():
-    """Token = argmax(logits / T + Gumbel(fold_in(key(seed), position))), whatever the row."""
-    V, T = TARGET_V, 1.5
-    logits = target_logits(0) / 2
-    plist = [P(temperature=1.0)] * 3 + [P(temperature=T, seed=42)]
-    tokens = []
-    for pos in range(20):
-        t = build_sampling_tensors(plist, [0, 0, 0, pos], vocab_size=V)
-        tok = int(np.asarray(sample(np.tile(logits, (4, 1)), t, jax.random.key(pos)).tokens)[3])
-        g = jax.random.gumbel(jax.random.fold_in(jax.random.key(42), pos), (V,), jnp.float32)
-        assert tok == int(jnp.argmax(jnp.asarray(logits) / T + g))
-        tokens.append(tok)
-    assert len(set(tokens)) > 10  # same logits, new position: new noise
-
-
-def test_different_seeds_differ():
-    a, b = seeded_sequence(1234), seeded_sequence(1235)
-    assert sum(x != y for x, y in zip(a, b)) >= 10
-
-
-def test_unseeded_rows_follow_the_rng_key():
-    B, V = 4, 1000  # same shape and flags as the test above: no new compilation
-    logits = np.asarray(jax.random.normal(jax.random.key(6), (B, V)), np.float32)
-    t = build_sampling_tensors([P(temperature=1.0)] * B, [3] * B, vocab_size=V)
-    runs = [np.asarray(sample(logits, t, jax.random.key(k)).tokens) for k in range(4)]
-    again = np.asarray(sample(logits, t, jax.random.PRNGKey(0)).tokens)  # raw uint32 key accepted
-    np.testing.assert_array_equal(runs[0], again)
-    assert all((runs[0] != r).sum() >= B // 2 for r in runs[1:])
-
-
-# ------------------------------------------------------------------------------- validation
-
-
-@pytest.mark.parametrize(
-    "params",
-    [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"min_p": -0.1}, {"top_k": -2},
-     {"repetition_penalty": 0.0}],
-)
-def test_invalid_parameters_rejected(params):
-    with pytest.raises(ValueError):
-        build_sampling_tensors([P(**params)], [0], vocab_size=10)
-
-
-def test_padding_rows_and_defaults():
-    t = build_sampling_tensors([None, P(top_k=-1, seed=(1 << 32) + 5)], [7, 8], vocab_size=10,
-                               batch_size=4)
-    np.testing.assert_array_equal(t.temperature, [1.0, 1.0, 0.0, 0.0])  # vLLM default T = 1
-    np.testing.assert_array_equal(t.top_k, [0, 0, 0, 0])
-    np.testing.assert_array_equal(t.has_seed, [False, True, False, False])
-    assert t.seed[1] == 5 and t.position.tolist() == [7, 8, 0, 0]
-    assert not t.do_top_k_top_p and not t.do_min_p and not t.do_penalties
-    assert t.bias_ids.shape == (4, 0)
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(ref, order, 1), atol=1e-5)

@@ -1,7 +1,7 @@
 """`serve.engine.warmup`: the warm-up compiles every shape the engine then uses, and leaves the
 engine as it found it.
 
-The jitted step and the sampler are replaced by recorders here (no compilation: fast), so the
+The jitted steps (with and without the sampler) are replaced by recorders here (no compilation: fast), so the
 test compares shapes: what the engine asks for under a seeded mix of requests (prompts across
 every page bucket, several prefilled together, chunks below the compact-prefill floor, greedy /
 temperature / top-p sampling) must be a subset of what `warm_up` ran. The real compilation is
@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import random
 
-import jax
 import numpy as np
 import pytest
 
@@ -21,7 +20,7 @@ from deepinfer.model import init_params, load_config
 from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine import runner as runner_module
-from deepinfer.serve.engine import sampler
+from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
 from deepinfer.serve.engine.warmup import pending_shapes, step_shapes, warm_up
@@ -37,8 +36,9 @@ def model():
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Replace the jitted step and the sampler by recorders of their shapes."""
-    calls = {"step": [], "sample": []}
+    """Replace the jitted steps by recorders of their shapes (a sampling step records its
+    logprobs variant where the plain one records all_logits)."""
+    calls = {"step": []}
 
     def fake_step(params, config, layout, cache, batch, *, all_logits=False, decoder=True, kernels=None):
         B, T = batch.tokens.shape
@@ -46,15 +46,14 @@ def recorded(monkeypatch):
         counts = np.zeros((config.num_hidden_layers, config.n_routed_experts), np.int64)
         return cache, np.zeros((B, config.vocab_size), np.float32), counts
 
-    def fake_sample(logits, tensors, rng_key, num_logprobs=0):
-        B = logits.shape[0]
-        calls["sample"].append((B, tensors.all_greedy, tensors.do_penalties, tensors.do_min_p,
-                                tensors.do_top_k_top_p, num_logprobs))
-        z = np.zeros(B, np.int32)
-        return sampler.SampleOutput(tokens=z + 5, logprobs=z.astype(np.float32), ranks=z + 1)
+    def fake_engine_step(params, cache, state, batch, rows, *, config, layout, kernels=None, head=None):
+        B, T = batch.tokens.shape
+        calls["step"].append((B, T, batch.page_table.shape[1], head.num_logprobs, True))
+        counts = np.zeros((config.num_hidden_layers, config.n_routed_experts), np.int64)
+        return cache, state, SampleOutput(tokens=np.full(B, 5, np.int32)), counts
 
     monkeypatch.setattr(runner_module, "forward_step", fake_step)
-    monkeypatch.setattr(sampler, "sample", fake_sample)
+    monkeypatch.setattr(runner_module, "engine_step", fake_engine_step)
     return calls
 
 
@@ -66,7 +65,7 @@ def make_engine(model, **engine_kw) -> LLMEngine:
 def engine_state(engine):
     return (engine.cache.pages.free, engine.cache.free_slots, dict(engine.stats), engine.has_unfinished(),
             len(engine.requests), engine.scheduler.num_preemptions, engine._step_count,
-            np.asarray(jax.random.key_data(engine._rng)).tolist(), engine.runner.expert_load.sum(),
+            str(engine._seeds.bit_generator.state), engine.runner.expert_load.sum(),
             engine.cache.page_table.tolist())
 
 
@@ -82,10 +81,9 @@ def test_the_engine_only_uses_warmed_shapes(model, recorded, engine_kw, reach):
     report = warm_up(engine, max_len=reach)
     assert engine_state(engine) == before
     assert report.shapes == step_shapes(engine, reach) and len(report.seconds) == len(report.shapes)
-    warmed_steps, warmed_samples = set(recorded["step"]), set(recorded["sample"])
-    assert len(warmed_steps) == len([s for s in report.shapes if s.kind != "sample"])  # one call per shape
+    warmed_steps = set(recorded["step"])
+    assert len(warmed_steps) == len(report.shapes)  # one call per shape
     recorded["step"].clear()
-    recorded["sample"].clear()
 
     rng = random.Random(0)
     kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=3),
@@ -105,9 +103,8 @@ def test_the_engine_only_uses_warmed_shapes(model, recorded, engine_kw, reach):
                 engine.step()
     while engine.has_unfinished():
         engine.step()
-    used_steps, used_samples = set(recorded["step"]), set(recorded["sample"])
+    used_steps = set(recorded["step"])
     assert used_steps <= warmed_steps, sorted(used_steps - warmed_steps)
-    assert used_samples <= warmed_samples, sorted(used_samples - warmed_samples)
     # the mix is wide enough to mean something: several page buckets, prefill and decode, and
     # (compact prefill) encoder-only chunks and two-row prefills
     assert len({k[2] for k in used_steps}) >= 4 and {k[1] == 1 for k in used_steps} == {True, False}
@@ -143,7 +140,7 @@ def test_step_shapes_follow_the_layout(model):
     assert (2, 256, 4, True) in prefill and (1, 128, 8, True) in prefill
     assert (1, 256, 4, True) in prefill and (2, 128, 16, True) in prefill
     assert (1, 128, 16, False) in prefill  # ends in (512, 1024], below the floor 1023 - 140
-    assert {s.rows for s in shapes if s.kind == "sample"} == {8}
+    assert {s.kind for s in shapes} == {"prefill", "decode"}  # sampling is part of the steps
 
 
 @pytest.mark.slow
