@@ -443,3 +443,9 @@ def test_fp4_records_general_last_dim_and_jit():
         Q.pack_fp4_kv(jnp.zeros((2, 40)))
     with pytest.raises(ValueError):
         Q.pack_fp4_index(jnp.zeros((2, 48)))
+
+
+def test_e2m1_decode_on_device_equals_the_table():
+    """The device decode computes values from the bits (no table gather); code 8 is +0.0."""
+    got = np.asarray(Q._e2m1_decode(jnp.arange(16, dtype=jnp.uint8), jnp))
+    np.testing.assert_array_equal(got.view(np.uint32), Q.E2M1_VALUES.view(np.uint32))
