@@ -3,7 +3,8 @@
 
     python benchmarks/throughput.py [--input-len 128] [--output-len 32] [--batch-sizes 1,8,32]
                                     [--contexts 1024,8192,32768] [--prefill-len 2048]
-                                    [--drafter-batch 8] [--prefill-rows 1] [--sampler-batch 8] [--no-start]
+                                    [--drafter-batch 8] [--prefill-rows 1] [--sampler-batch 8] [--decode-batches 1,8]
+                                    [--no-start]
 
 Compile and warm-up time are excluded from every measured window (each shape runs once before
 it is timed) and printed separately. The sampler's share is that of the sampler alone (jitted on
@@ -123,22 +124,23 @@ def bench_prefill(params, config, tokenizer, length: int, mode: str) -> float:
     return n_in / elapsed
 
 
-def bench_decode_step(params, config, context: int, repeats: int = 5) -> float:
-    """Median decode-step time of one sequence at `context` tokens. The cache is synthetic
-    (pages allocated, contents zero): a step's cost depends on the context's size, not on the
-    values; the page-table bucket grows with the context as in the engine."""
+def bench_decode_step(params, config, context: int, repeats: int = 5, batch: int = 1) -> float:
+    """Median decode-step time of `batch` sequences at `context` tokens each. The cache is
+    synthetic (pages allocated, contents zero, the sequences' pages interleaved in the pool): a
+    step's cost depends on the context's size, not on the values; the page-table bucket grows
+    with the context as in the engine."""
     page = 128
     pages = -(-(context + 1) // page)
-    layout = CacheLayout(num_slots=1, page_size=page, num_pages=pages, max_pages_per_slot=pages)
+    layout = CacheLayout(num_slots=batch, page_size=page, num_pages=pages * batch, max_pages_per_slot=pages)
     runner = ModelRunner(params, config, layout)
-    table = np.arange(pages, dtype=np.int32)[None]
-    history = np.zeros(context - 1, np.int32)
-    work = [ChunkWork(0, np.asarray([5], np.int32), context - 1, history)]
-    runner.run(work, table, rows=1, tokens=1)  # compile
+    table = np.arange(pages * batch, dtype=np.int32).reshape(pages, batch).T.copy()
+    lookback = np.zeros(max(config.engram_max_ngram_size - 1, 0), np.int32)
+    work = [ChunkWork(b, np.asarray([5], np.int32), context - 1, lookback) for b in range(batch)]
+    runner.run(work, table, rows=batch, tokens=1)  # compile
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        runner.run(work, table, rows=1, tokens=1)
+        runner.run(work, table, rows=batch, tokens=1)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -166,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--decode-batches", default="1,8", help="batch sizes of the decode-step-vs-context figure")
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--drafter-batch", type=int, default=8, help="batch of the drafter-context comparison (0: skip)")
     ap.add_argument("--prefill-rows", type=int, default=1, help="prompt chunks prefilled together per step")
@@ -213,12 +216,13 @@ def main(argv=None) -> int:
         rate = bench_prefill(params, config, tokenizer, args.prefill_len, mode)
         print(f"Prefill ({mode}, {args.prefill_len} tokens, chunks of 512): {rate:.1f} tokens/s")
     print()
-    base = None
-    print("context  decode step (ms)  vs first")
-    for context in [int(c) for c in args.contexts.split(",")]:
-        t = bench_decode_step(params, config, context)
-        base = base or t
-        print(f"{context:7d}  {t * 1e3:16.2f}  {t / base:8.2f}x")
+    for batch in [int(b) for b in args.decode_batches.split(",")]:
+        base = None
+        print(f"batch {batch}: context  decode step (ms)  vs first")
+        for context in [int(c) for c in args.contexts.split(",")]:
+            t = bench_decode_step(params, config, context, batch=batch)
+            base = base or t
+            print(f"{context:16d}  {t * 1e3:16.2f}  {t / base:8.2f}x")
     if not args.no_start:
         cold, warm = bench_start()
         print(f"\nStart-up of `deepinfer generate --prompt ...` (new process, wall): {cold:.1f} s cold "

@@ -63,12 +63,53 @@ def select(p: dict, config: ModelConfig, layer: int, x: jax.Array, q_residual: j
     ratio = config.compress_ratios[layer]
     q, weights = index_queries(p, config, x, q_residual, positions)
     candidates = shared["candidates"] if config.uses_candidates(layer) else None
-    pool = None
-    if layer == config.candidate_source_layer_id:
-        pool = (config.candidate_topk_blocks, config.candidate_block_size)
     index_topk = get_kernel("index_topk", kernels)
     return index_topk(q, weights, shared["index_keys", config.kv_source(layer)], positions, ratio,
-                      config.index_topk, candidates, pool)
+                      config.index_topk, candidates, candidate_pool(config, layer))
+
+
+def candidate_pool(config: ModelConfig, layer: int) -> tuple[int, int] | None:
+    """`(top blocks, block size)` of the candidate pool a layer builds (the candidate source's
+    `pool` argument of the `index_topk` ops), None for every other layer."""
+    if layer == config.candidate_source_layer_id:
+        return config.candidate_topk_blocks, config.candidate_block_size
+    return None
+
+
+def pool_ids(pool: jax.Array, block_size: int, top_blocks: int) -> jax.Array:
+    """The candidate pool as entry ids: bool `pool [B, T, R]` (whole blocks of `block_size`, as
+    `candidate_blocks` makes it) -> int32 `[B, T, min(top_blocks, n_blocks) * block_size]`, the
+    kept blocks' entries in ascending order, -1 after them (fewer blocks kept) and past R."""
+    B, T, R = pool.shape
+    pad = -R % block_size
+    n_blocks = (R + pad) // block_size
+    kept = jnp.pad(pool, ((0, 0), (0, 0), (0, pad))).reshape(B, T, n_blocks, block_size).any(-1)
+    # top_k of (n_blocks - block) over kept blocks: the smallest kept block ids, ascending
+    order, _ = jax.lax.top_k(jnp.where(kept, n_blocks - jnp.arange(n_blocks), 0).astype(jnp.float32),
+                             min(top_blocks, n_blocks))
+    block = jnp.where(order > 0, n_blocks - order.astype(jnp.int32), -1)
+    ids = block[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    ids = jnp.where((block[..., None] >= 0) & (ids < R), ids, -1)
+    return ids.reshape(B, T, -1)
+
+
+def select_in_pool(index_topk, q: jax.Array, weights: jax.Array, keys: jax.Array, ids: jax.Array,
+                   positions: jax.Array, ratio: int, k: int) -> jax.Array:
+    """A Reindex layer's top-k scored on its candidate pool only: `keys [B, T, C, d]` are the
+    source's indexer keys at the pool's ascending entry `ids [B, T, C]` (-1 = none, see
+    `pool_ids`). Each query becomes a row of its own for the `index_topk` op, its candidates
+    masked to the entries visible at its position; the op's picks map back to entry ids.
+
+    The same selection as the op over every key restricted to the pool (`candidates`): the same
+    scores of the same entries, in the same order, so ties break alike (lower entry first)."""
+    B, T, C, d = keys.shape
+    H = q.shape[2]
+    visible = (ids >= 0) & (ids < reference.visible_counts(positions, ratio)[..., None])
+    every = jnp.full((B * T, 1), C * ratio - 1, jnp.int32)  # a position that sees all C rows
+    top, _ = index_topk(q.reshape(B * T, 1, H, d), weights.reshape(B * T, 1, H), keys.reshape(B * T, C, d), every,
+                        ratio, k, visible.reshape(B * T, 1, C), None)
+    top = top.reshape(B, T, -1)
+    return jnp.where(top >= 0, jnp.take_along_axis(ids, jnp.maximum(top, 0), axis=-1), -1)
 
 
 def dense_selection(positions: jax.Array, n_rows: int, ratio: int) -> jax.Array:

@@ -7,9 +7,15 @@ after the run) in cache slot `slots[b]`, whose pages are `page_table[b]`. Per la
 1. computes queries and the window KV of the chunk, attends over [ring ++ chunk] (the 128-token
    band), and writes the chunk's last 128 window rows into the ring (slot p % 128);
 2. at KV sources, compresses the chunk (a ratio-2 pair may start in the previous step: its first
-   token waits in `pending`), writes the new entries and indexer keys into the pages FIRST, then
-   reads the sequence's entries back, so cached and new entries are used the same way;
+   token waits in `pending`) and writes the new entries and indexer keys into the pages FIRST,
+   so cached and new entries are read back the same way (`model.paged`);
 3. indexes and selects exactly as the full forward does (same functions), and attends.
+
+Reads cost what a step needs, so a decode step is nearly flat in its context: the indexer scores
+every visible key of its source's pages, but a Reindex layer reads only its candidate pool's keys
+and the attention gathers and dequantizes only the entries its index source selected. A long
+prefill chunk, whose queries together select more rows than its pages hold, reads every page
+once instead; `read_all=True` forces that everywhere (the path the tests compare against).
 
 With drafter rings in the layout, it also keeps the DSpark drafter's context: the stream means
 entering the target layers become `main_x`, whose per-block window KV goes into the draft rings
@@ -28,13 +34,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from deepinfer.model import compressor, qat
-from deepinfer.model.attention import index_layer, output_projection, query, window_kv_unquantized, window_mask
+from deepinfer.model import compressor, indexer, qat
+from deepinfer.model.attention import output_projection, query, window_kv_unquantized, window_mask
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import context_input, context_kv
 from deepinfer.model.forward import final_hidden, walk_layers
 from deepinfer.model.kv_cache import FLOAT, CacheLayout, KVCache, decode, encode, pending_sources
 from deepinfer.model.layers import compress_inv_freq, linear
+from deepinfer.model.paged import PagedSource
 from deepinfer.model.params import compute_dtype
 from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
@@ -73,21 +80,12 @@ class _State:
                        tuple(tuple(k) for k in self.index_keys), tuple(self.pending))
 
 
-def _gather_pages(pool: list[jax.Array], page_table: jax.Array) -> tuple[jax.Array, ...]:
-    """A sequence's rows in logical order: `[B, max_pages * per_page, ...]`."""
-    table = jnp.maximum(page_table, 0)
-    out = []
-    for array in pool:
-        rows = array[table]  # [B, max_pages, per_page, ...]
-        out.append(rows.reshape(rows.shape[0], -1, *rows.shape[3:]))
-    return tuple(out)
-
-
 def _source_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: int, x: jax.Array,
                  batch: StepBatch, valid: jax.Array, st: _State, kernels: KernelConfig | None = None) -> None:
     """Compress the chunk at a KV source, store the new entries and indexer keys into the pages
     FIRST (the registry's `compress_store`; a ratio-2 pair may start in the previous step: its
-    first token waits in `pending`), then publish the sequence's entries and keys."""
+    first token waits in `pending`), then publish the source's pages for the layers that read
+    them (`PagedSource`)."""
     ratio = config.compress_ratios[layer]
     src = config.kv_source_layer_ids.index(layer)
     k = pending_sources(config).index(layer) if ratio > 1 else None
@@ -102,9 +100,57 @@ def _source_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: int, 
     st.entries[src], st.index_keys[src] = list(entries), list(keys)
     if k is not None:
         st.pending[k] = pending
-    dtype = compute_dtype(config)
-    st.shared["entries", layer] = decode("entry", _gather_pages(st.entries[src], batch.page_table), dtype)
-    st.shared["index_keys", layer] = decode("index", _gather_pages(st.index_keys[src], batch.page_table), dtype)
+    st.shared["source", layer] = PagedSource(tuple(entries), tuple(keys), batch.page_table, compute_dtype(config))
+
+
+def _index_step(p: dict, config: ModelConfig, layer: int, x: jax.Array, q_residual: jax.Array, positions: jax.Array,
+                st: _State, kernels: KernelConfig | None, read_all: bool) -> None:
+    """An index source's top-k (and, at the candidate source, the candidate pool) from the paged
+    keys: every key of the pages, a chunk of pages at a time (`index_topk_paged`), except at a
+    Reindex layer whose queries' candidate pools hold fewer rows than the pages (decode), which
+    scores only those (`indexer.select_in_pool`)."""
+    source = st.shared["source", config.kv_source(layer)]
+    ratio, k = config.compress_ratios[layer], config.index_topk
+    q, weights = indexer.index_queries(p["indexer"], config, x, q_residual, positions)
+    ids = st.shared.get("candidate_ids") if config.uses_candidates(layer) else None
+    if ids is not None and not read_all and ids.shape[1] * ids.shape[2] < source.capacity:
+        B, T, C = ids.shape
+        keys = source.keys_at(ids.reshape(B, T * C)).reshape(B, T, C, -1)
+        st.shared["topk", layer] = indexer.select_in_pool(get_kernel("index_topk", kernels), q, weights, keys, ids,
+                                                          positions, ratio, k)
+        return
+    candidates = st.shared["candidates"] if config.uses_candidates(layer) else None
+    pool_args = indexer.candidate_pool(config, layer)
+    if read_all:
+        topk, pool = get_kernel("index_topk", kernels)(q, weights, source.all_keys, positions, ratio, k, candidates,
+                                                       pool_args)
+    else:
+        topk, pool = get_kernel("index_topk_paged", kernels)(q, weights, source.read_keys, source.n_pages,
+                                                             source.per_page, positions, ratio, k, candidates,
+                                                             pool_args)
+    if pool is not None:
+        st.shared["candidates"] = pool
+        st.shared["candidate_ids"] = indexer.pool_ids(pool, config.candidate_block_size, config.candidate_topk_blocks)
+    st.shared["topk", layer] = topk
+
+
+def _selected_entries(config: ModelConfig, layer: int, st: _State, read_all: bool) -> tuple[jax.Array, jax.Array]:
+    """`(entries, topk)` for a compressed-branch layer's attention: the rows its index source
+    selected, gathered and decoded from the pages, with the top-k renumbered into them; or
+    every entry of the pages with the top-k as it is when the chunk's selections add up to no
+    fewer rows (a long prefill chunk) or `read_all`. Layers sharing a KV and an index source
+    share one read."""
+    src, isrc = config.kv_source(layer), config.index_source(layer)
+    if ("selected", src, isrc) not in st.shared:
+        source, topk = st.shared["source", src], st.shared["topk", isrc]
+        B, T, K = topk.shape
+        if read_all or T * K >= source.capacity:
+            selected = source.all_entries, topk
+        else:
+            slots = jnp.arange(T * K, dtype=jnp.int32).reshape(1, T, K)
+            selected = source.entries_at(topk.reshape(B, T * K)), jnp.where(topk >= 0, slots, -1)
+        st.shared["selected", src, isrc] = selected
+    return st.shared["selected", src, isrc]
 
 
 class _Chunk:
@@ -123,7 +169,7 @@ class _Chunk:
 
 def _attention_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: int, x: jax.Array,
                     chunk: _Chunk, valid: jax.Array, ring_pos: jax.Array, write_idx: jax.Array, st: _State,
-                    kernels: KernelConfig | None, kv_valid: jax.Array) -> jax.Array:
+                    kernels: KernelConfig | None, kv_valid: jax.Array, read_all: bool = False) -> jax.Array:
     """`valid`: (local) rows this layer runs on; `kv_valid`: (whole-chunk) rows whose compressed KV
     it produces (the decoder source produces it for every prompt row, even below the replay
     floor); `write_idx`: ring slots of the whole chunk's rows."""
@@ -147,10 +193,9 @@ def _attention_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: in
     if kind == "full":
         _source_step(p, config, layout, layer, chunk.gather(x), chunk.whole, kv_valid, st, kernels)
     if kind in ("full", "reindex"):
-        index_layer(p, config, layer, x, q_residual, positions, st.shared, kernels)
+        _index_step(p, config, layer, x, q_residual, positions, st, kernels, read_all)
     if kind != "swa":
-        entries = st.shared["entries", config.kv_source(layer)]
-        topk = st.shared["topk", config.index_source(layer)]
+        entries, topk = _selected_entries(config, layer, st, read_all)
     attend = get_kernel("sparse_attention", kernels)
     o = attend(q, keys, mask, entries, topk, p["attn_sink"], config.head_dim ** -0.5)
     return output_projection(p, config, layer, o, positions)
@@ -189,7 +234,7 @@ def _write_index(positions: jax.Array, valid: jax.Array, W: int) -> jax.Array:
 
 def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelConfig, layout: CacheLayout,
               all_logits: bool = False, decoder: bool = True, kernels: KernelConfig | None = None,
-              ep=None, seq=None) -> tuple[KVCache, jax.Array | None, jax.Array]:
+              ep=None, seq=None, read_all: bool = False) -> tuple[KVCache, jax.Array | None, jax.Array]:
     """The step on one device's share (unjitted: `forward_step` jits it, the mesh step runs it
     under `shard_map` with `ep` doing the MoE's expert-parallel exchange). Returns the updated
     cache, fp32 logits (`[B, vocab]` at each row's last token, or `[B, T, vocab]` with
@@ -200,7 +245,10 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
     and only the compressed-KV path of the first decoder layer.
 
     `seq` (context parallel, prefill): `batch`'s tokens, positions and hash ids are this device's
-    zigzag share of every row; `seq.gather` restores whole rows (see `_Chunk`)."""
+    zigzag share of every row; `seq.gather` restores whole rows (see `_Chunk`).
+
+    `read_all`: read every page of every source (no selected-row reads; see the module
+    docstring), the same result by another path."""
     chunk = _Chunk(batch, seq)
     positions, whole = batch.positions, chunk.whole.positions
     valid, whole_valid = positions >= 0, whole >= 0
@@ -218,7 +266,7 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
             return None
         in_decoder = layer >= config.decoder_start
         return _attention_step(p, config, layout, layer, x, chunk, decoder_valid if in_decoder else valid, ring_pos,
-                               decoder_write if in_decoder else write_idx, st, kernels, whole_valid)
+                               decoder_write if in_decoder else write_idx, st, kernels, whole_valid, read_all)
 
     def live(layer: int) -> jax.Array:
         return decoder_valid if layer >= config.decoder_start else valid
@@ -245,11 +293,11 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
     return st.cache(), (logits if all_logits else logits[:, 0]), counts
 
 
-@partial(jax.jit, static_argnames=("config", "layout", "all_logits", "decoder", "kernels"),
+@partial(jax.jit, static_argnames=("config", "layout", "all_logits", "decoder", "kernels", "read_all"),
          donate_argnames=("cache",))
 def forward_step(params: dict, config: ModelConfig, layout: CacheLayout, cache: KVCache, batch: StepBatch,
-                 all_logits: bool = False, decoder: bool = True,
-                 kernels: KernelConfig | None = None) -> tuple[KVCache, jax.Array | None, jax.Array]:
+                 all_logits: bool = False, decoder: bool = True, kernels: KernelConfig | None = None,
+                 read_all: bool = False) -> tuple[KVCache, jax.Array | None, jax.Array]:
     """`step_body` on one device, jitted with the cache donated."""
     return step_body(params, cache, batch, config=config, layout=layout, all_logits=all_logits,
-                     decoder=decoder, kernels=kernels)
+                     decoder=decoder, kernels=kernels, read_all=read_all)

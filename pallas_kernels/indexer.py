@@ -162,3 +162,17 @@ def index_topk_triton(q, weights, keys, positions, ratio, k, candidates=None, po
 @register("index_topk", INTERPRET, why="the Pallas kernel run by the Pallas interpreter (slow; tests)")
 def index_topk_interpret(q, weights, keys, positions, ratio, k, candidates=None, pool=None):
     return index_topk_pallas(q, weights, keys, positions, ratio, k, candidates, pool, interpret=True)
+
+
+@register("index_topk_paged", GPU_TRITON,
+          why="decodes every page's keys at once (HBM is not the CPU's cache), then the index_topk kernel")
+def index_topk_paged_triton(q, weights, read_keys, n_pages, per_page, positions, ratio, k, candidates=None,
+                            pool=None):
+    return index_topk_pallas(q, weights, read_keys(0, n_pages), positions, ratio, k, candidates, pool)
+
+
+@register("index_topk_paged", INTERPRET, why="every page's keys, then the index_topk kernel in the Pallas interpreter")
+def index_topk_paged_interpret(q, weights, read_keys, n_pages, per_page, positions, ratio, k, candidates=None,
+                               pool=None):
+    return index_topk_pallas(q, weights, read_keys(0, n_pages), positions, ratio, k, candidates, pool,
+                             interpret=True)

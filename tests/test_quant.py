@@ -474,3 +474,9 @@ def test_fake_quant_weight_fp8_equals_host_round_trip(shape, block):
     q, s = Q.quantize_fp8_blocks(w, block=block)
     expected = Q.dequantize_fp8_blocks(q, s, block=block)
     np.testing.assert_array_equal(np.asarray(Q.fake_quant_weight_fp8(jnp.asarray(w), block)), expected)
+
+
+def test_e2m1_decode_on_device_equals_the_table():
+    """The device decode computes values from the bits (no table gather); code 8 is +0.0."""
+    got = np.asarray(Q._e2m1_decode(jnp.arange(16, dtype=jnp.uint8), jnp))
+    np.testing.assert_array_equal(got.view(np.uint32), Q.E2M1_VALUES.view(np.uint32))

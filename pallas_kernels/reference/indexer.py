@@ -24,11 +24,20 @@ def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, positions: j
     """q `[B, T, H, d]` index queries, weights `[B, T, H]` fp32, keys `[B, R, d]`, positions
     `[B, T]` -> fp32 `[B, T, R]` scores `sum_h w_h * relu(q_h . k_r) * d**-0.5`, entries not yet
     visible to the query at -inf."""
+    return mask_invisible(head_sum_scores(q, weights, keys), positions, ratio)
+
+
+def head_sum_scores(q: jax.Array, weights: jax.Array, keys: jax.Array) -> jax.Array:
+    """`index_scores` before the visibility mask: fp32 `[B, T, R]`."""
     d = q.shape[-1]
     dots = jnp.einsum("bthd,brd->bthr", q.astype(jnp.float32), keys.astype(jnp.float32))
     dots = jax.nn.relu(dots) * d ** -0.5
-    scores = jnp.einsum("bthr,bth->btr", dots, weights)
-    visible = jnp.arange(keys.shape[1])[None, None, :] < visible_counts(positions, ratio)[..., None]
+    return jnp.einsum("bthr,bth->btr", dots, weights)
+
+
+def mask_invisible(scores: jax.Array, positions: jax.Array, ratio: int) -> jax.Array:
+    """-inf at the entries `r >= (pos+1)//ratio` a query cannot see yet."""
+    visible = jnp.arange(scores.shape[-1])[None, None, :] < visible_counts(positions, ratio)[..., None]
     return jnp.where(visible, scores, -jnp.inf)
 
 
@@ -98,3 +107,46 @@ def index_topk(q: jax.Array, weights: jax.Array, keys: jax.Array, positions: jax
     """
     scores = index_scores(q, weights, keys, positions, ratio)
     return topk_from_scores(scores, positions, ratio, k, candidates, pool)
+
+
+# Rows (batch rows x entries) per chunk of `index_topk_paged`: the chunk's decoded keys and
+# per-head dots stay within the CPU's caches (measured on tiny-v4.1, d = 64, 16 heads: 8192
+# rows ran 8x faster than decoding a batch of 8 x 32K keys at once, bit-equal scores).
+_CHUNK_ROWS = 8192
+_CHUNK_DOTS = 1 << 17
+
+
+def paged_chunk_pages(n_pages: int, per_page: int, batch: int, queries: int, heads: int) -> int:
+    """Pages per chunk: the largest divisor of `n_pages` within the row and dot budgets (>= 1)."""
+    rows = max(1, min(_CHUNK_ROWS // batch, _CHUNK_DOTS // (batch * queries * heads)) // per_page)
+    pages = min(rows, n_pages)
+    while n_pages % pages:
+        pages -= 1
+    return pages
+
+
+@register("index_topk_paged", REFERENCE,
+          why="plain jnp: decodes and scores the page pool a chunk of pages at a time (no decoded copy of "
+              "the whole context, no [B,T,H,R] dots), then lax.top_k")
+def index_topk_paged(q: jax.Array, weights: jax.Array, read_keys, n_pages: int, per_page: int,
+                     positions: jax.Array, ratio: int, k: int, candidates: jax.Array | None = None,
+                     pool: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """`index_topk` over keys that live in pages: `read_keys(first, count)` returns the decoded
+    keys `[B, count * per_page, d]` of every row's logical pages `first .. first + count - 1`
+    (`first` may be traced, `count` is static), so the op never holds all `n_pages * per_page`
+    decoded keys at once; the caller owns the page table and the codec. Same contract and
+    result as `index_topk(q, weights, read_keys(0, n_pages), ...)`."""
+    check_pool_args(candidates, pool)
+    B, T, H, _ = q.shape
+    R = n_pages * per_page
+    pages = paged_chunk_pages(n_pages, per_page, B, T, H) if R else 1
+    width = pages * per_page
+
+    def chunk(i, scores):
+        part = head_sum_scores(q, weights, read_keys(i * pages, pages))
+        return jax.lax.dynamic_update_slice_in_dim(scores, part, i * width, axis=2)
+
+    scores = jnp.zeros((B, T, R), jnp.float32)
+    if R:
+        scores = jax.lax.fori_loop(0, n_pages // pages, chunk, scores)
+    return topk_from_scores(mask_invisible(scores, positions, ratio), positions, ratio, k, candidates, pool)

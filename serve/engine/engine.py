@@ -203,8 +203,8 @@ class LLMEngine:
         for decoder, group in groups.items():
             if not group:
                 continue
-            work = [ChunkWork(r.slot, np.asarray(r.all_ids[r.computed:r.computed + n], np.int32), r.computed,
-                              np.asarray(r.all_ids[:r.computed], np.int32), r.floor) for r, n in group]
+            work = [ChunkWork(r.slot, r.ids(r.computed, r.computed + n), r.computed, self._lookback(r, r.computed),
+                              r.floor) for r, n in group]
             per_rank = np.bincount([self.cache.rank_of(w.slot) for w in work], minlength=1).max()
             rows = 1 << (int(per_rank) - 1).bit_length()
             emit = [r.computed + n == r.length for r, n in group]
@@ -217,8 +217,8 @@ class LLMEngine:
                 if request.to_feed == 0:
                     to_sample.append((request, _row(out, i)))
         if plan.decode:
-            work = [ChunkWork(r.slot, np.asarray(r.all_ids[-1:], np.int32), r.length - 1,
-                              np.asarray(r.all_ids[:-1], np.int32), r.floor) for r in plan.decode]
+            work = [ChunkWork(r.slot, r.ids(r.length - 1, r.length), r.length - 1, self._lookback(r, r.length - 1),
+                              r.floor) for r in plan.decode]
             out = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.slots_per_rank, tokens=1,
                                   sample=self._step_sampling(plan.decode, [True] * len(work)))
             for i, request in enumerate(plan.decode):
@@ -250,6 +250,11 @@ class LLMEngine:
         if left:
             self.runner.clear_sampling(sorted(left))
             self._sampling_slots &= held
+
+    def _lookback(self, request: Request, start: int) -> np.ndarray:
+        """The tokens right before `start` that the chunk's Engram n-grams reach back to: O(1) per
+        row, whatever the context."""
+        return request.ids(start - self.runner.lookback, start)
 
     def _check_progress(self, plan, finished: list[Request]) -> None:
         """Refuse to spin: a step that computed no token, finished and preempted no request

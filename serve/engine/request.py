@@ -7,6 +7,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from deepinfer.serve.engine.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
@@ -43,7 +45,16 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt then output: a new list of the whole sequence (O(length); steps use `ids`)."""
         return self.prompt_token_ids + self.output_ids
+
+    def ids(self, start: int, end: int) -> np.ndarray:
+        """int32 token ids at positions `[start, end)` of prompt + output (clipped to the
+        sequence), read from the two lists without joining them: O(end - start)."""
+        n = len(self.prompt_token_ids)
+        start, end = max(0, start), min(end, self.length)
+        out = self.prompt_token_ids[start:min(end, n)] + self.output_ids[max(start - n, 0):max(end - n, 0)]
+        return np.asarray(out, np.int32)
 
     @property
     def length(self) -> int:

@@ -41,7 +41,9 @@ class ChunkWork:
     slot: int
     tokens: np.ndarray  # the chunk's token ids
     start: int  # position of tokens[0]
-    history: np.ndarray  # the sequence's tokens before `start` (for Engram look-back)
+    # the tokens right before `start`, for the Engram look-back: only the last `lookback`
+    # (`ModelRunner.lookback`) are read, and callers pass just those (O(1) per decode row)
+    history: np.ndarray
     floor: int = 0  # decoder replay start of the sequence (compact prefill); 0 = full fidelity
 
 
@@ -144,10 +146,15 @@ class ModelRunner:
                 padded = self.mesh_step.replicate(padded)
             self.sampling = self._clear_slots(self.sampling, padded)
 
+    @property
+    def lookback(self) -> int:
+        """Tokens before a chunk that its Engram hashes read (N-1 of the n-grams; 0 without Engram)."""
+        return self.config.engram_max_ngram_size - 1 if self.config.engram_layer_ids else 0
+
     def _hash_ids(self, work: list[ChunkWork], T: int) -> np.ndarray | None:
         if not self.config.engram_layer_ids:
             return None
-        lookback = self.config.engram_max_ngram_size - 1
+        lookback = self.lookback
         rows = []
         for w in work:
             # the n-grams ending in the chunk reach back `lookback` tokens; a shorter history is

@@ -240,7 +240,7 @@ def todays_source_step(p, config, layout, layer, x, batch, valid, st):
     from deepinfer.model.kv_cache import decode, encode, pending_sources
     from deepinfer.model.layers import apply_rope, compress_inv_freq, linear, rms_norm
     from deepinfer.model.params import compute_dtype
-    from deepinfer.model.step import _gather_pages
+    from deepinfer.model.paged import gather_pages as _gather_pages
 
     def _write_rows(pool, rows, *index):
         for i, (array, values) in enumerate(zip(pool, rows)):
@@ -327,7 +327,7 @@ def test_reference_equals_todays_source_step(storage, dtype):
         st = _State(cache)
         for layer in (2, 5):
             step_fn(params["layers"][layer]["attn"], config, layout, layer, x, batch, batch.positions >= 0, st)
-        return st.cache(), st.shared
+        return st.cache(), published(st.shared)
 
     kernels = KernelConfig(ops=(("compress_store", KERNEL_BACKEND),))
     assert registry.resolve("compress_store", kernels)[0].backend == KERNEL_BACKEND
@@ -353,6 +353,18 @@ def test_reference_equals_todays_source_step(storage, dtype):
     written = sum(int((np.asarray(a) != np.asarray(b)).any()) for a, b in
                   zip(jax.tree.leaves(results["today"]), jax.tree.leaves(init_cache(config, layout))))
     assert written >= 3  # entries, keys and pending all changed
+
+
+def published(shared: dict) -> dict:
+    """What the sources published, as decoded arrays: today's step publishes its pages
+    (`model.paged.PagedSource`), read here whole, as the frozen step published them."""
+    out = {}
+    for key, value in shared.items():
+        if key[0] == "source":
+            out["entries", key[1]], out["index_keys", key[1]] = value.all_entries, value.all_keys
+        else:
+            out[key] = value
+    return out
 
 
 def _assert_bit_equal(got, want, what=""):
