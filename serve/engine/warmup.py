@@ -30,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.runner import ChunkWork, StepSampling, token_bucket
 
 __all__ = ["StepShape", "WarmupReport", "pending_shapes", "step_shapes", "warm_up"]
@@ -184,6 +185,12 @@ def warm_up(engine, progress: Callable[[int, int, StepShape, float], None] | Non
         for k in range(1, admitted + 1):
             runner.reset(list(range(k)))
         runner.reset(list(range(engine.cache.layout.slots_per_rank)))
+        # admission writes a slot's sampling row, a request leaving clears it: two small programs
+        # that would otherwise compile in the first real step (slot 0 ends neutral, as it began)
+        runner.write_sampling(0, sampling_state.slot_row(
+            None, seed=0, vocab_size=engine.config.vocab_size, max_logit_bias=runner.max_logit_bias,
+            max_bans=runner.max_bans, eos_token_id=engine.config.eos_token_id))
+        runner.clear_sampling([0])
     finally:
         runner.expert_load = expert_load
     log.info("warm-up: %d shapes compiled in %.1f s", len(report.shapes), report.total_seconds)

@@ -17,6 +17,7 @@ from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
 from deepinfer.serve.engine.request import Request
+from deepinfer.serve.engine.sampler import SampleOutput
 
 CONTEXT = (2900, 2211)  # two rows, several thousand tokens, different lengths
 PAGE = 128
@@ -98,9 +99,11 @@ def test_decode_rows_carry_constant_host_work_whatever_the_context(lengths, monk
                                                                       prefill_mode="full"))
     seen = []
 
-    def fake_run(work, page_table, *, rows, tokens, all_logits=False, decoder=True):
+    def fake_run(work, page_table, *, rows, tokens, all_logits=False, decoder=True, sample=None):
         seen.extend((w, tokens) for w in work)
-        return np.zeros((len(work), config.vocab_size), np.float32)  # the model is not the point here
+        if sample is None:  # the model is not the point here
+            return None if not decoder else np.zeros((len(work), config.vocab_size), np.float32)
+        return SampleOutput(tokens=np.full(len(work), 5, np.int32))
 
     monkeypatch.setattr(engine.runner, "run", fake_run)
     rng = np.random.default_rng(3)
