@@ -46,7 +46,6 @@ class LayerWalk:
     pre: jax.Array
     captured: dict[int, jax.Array]
     counts: jax.Array
-    stopped: bool = False
 
 
 def layer_forward(lp: dict, config: ModelConfig, layer: int, streams: jax.Array, pre: jax.Array,
@@ -90,7 +89,7 @@ def walk_layers(params: dict, config: ModelConfig, token_ids: jax.Array, hash_id
             out = layer_forward(params["layers"][layer], config, layer, streams, pre, token_ids, hash_ids, attend,
                                 kernels, live=live(layer), ep=ep)
         if out is None:
-            return LayerWalk(streams, pre, captured, counts, stopped=True)
+            return LayerWalk(streams, pre, captured, counts)
         streams, pre, layer_counts = out
         counts = counts.at[layer].set(layer_counts)
     return LayerWalk(streams, pre, captured, counts)
