@@ -20,8 +20,9 @@ What it adds on top of `LLMEngine`:
 * chat: conversations are rendered and encoded by `prepare_chat` for the model's type (the
   prompt gets exactly the template's BOS), generation stops on EOS, and the answer is parsed back
   into `text` (the content), `reasoning_content` and `tool_calls`;
-* compile once: before a call's first step, every step shape its requests can reach is compiled
-  (`warmup`), so a generation never stalls mid-stream on a new page bucket; JAX's persistent
+* compile once: before a call's first step, the step shapes its requests will use are compiled
+  (`warmup`, a dry run of the scheduler), so a generation never stalls mid-stream on a new page
+  bucket; JAX's persistent
   compilation cache (`compilation_cache`, ~/.cache/deepinfer/xla) keeps them for the next process;
 * observability: a tqdm "Processed prompts" bar with the estimated input/output speed, vLLM's
   periodic `LoggingStatLogger` line (logger `deepinfer.llm`, INFO, at most every
@@ -56,7 +57,8 @@ from deepinfer.serve.api.types import RequestOutput, SamplingParams
 from deepinfer.serve.compilation_cache import enable_compilation_cache, resolve_compilation_cache
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import PREFILL_MODES, EngineConfig, LLMEngine
-from deepinfer.serve.engine.warmup import WarmupReport, pending_shapes, warm_up
+from deepinfer.serve.engine.shape_plan import planned_shapes
+from deepinfer.serve.engine.warmup import StepShape, WarmupReport, pending_shapes, warm_up
 from deepinfer.serve.text.chat import (
     ChatEncodingError,
     ChatOutputParser,
@@ -277,11 +279,12 @@ class LLM:
         compilation_cache: JAX's persistent compilation cache directory; True (the default):
             `~/.cache/deepinfer/xla`; None or False: none. JAX has one per process, set once: the
             first directory set in the process stays (`serve.compilation_cache`).
-        warmup: before each `generate` / `chat` call's first step, compile every step shape its
-            requests can reach (page buckets up to the longest prompt + max_tokens; all of them
-            when max_tokens is None) that has not run yet, with a "Compiling step shapes" bar on
-            stderr: nothing then compiles mid-stream. `warm_up()` compiles every shape up to
-            max_model_len at once. False: shapes compile when a step first needs them.
+        warmup: before each `generate` / `chat` call's first step, compile the step shapes its
+            requests will use (a dry run of the scheduler: `serve.engine.shape_plan`) that have
+            not run yet, with a "Compiling step shapes" bar on stderr: nothing then compiles
+            mid-stream (unless a request stopping early lets a queued one in with a different
+            mix of prefill rows). `warm_up()` compiles every shape up to max_model_len at once.
+            False: shapes compile when a step first needs them.
 
     Unknown keyword arguments raise `ValueError` naming the argument.
     """
@@ -664,30 +667,25 @@ class LLM:
         results = self._run(added, progress=bar)
         return [results[r] for r in added]
 
-    def warm_up(self, max_len: int | None = None, use_tqdm: bool = True) -> WarmupReport:
+    def warm_up(self, max_len: int | None = None, use_tqdm: bool = True,
+                shapes: list[StepShape] | None = None) -> WarmupReport:
         """Compile, with a "Compiling step shapes" bar, every step shape of sequences up to
-        `max_len` tokens (default: max_model_len) that has not run yet (`serve.engine.warmup`);
-        no request may be running. Returns what it compiled and how long it took."""
-        shapes = pending_shapes(self.engine, max_len)
+        `max_len` tokens (default: max_model_len), or the given `shapes`, that has not run yet
+        (`serve.engine.warmup`); no request may be running. Returns what it compiled and how
+        long it took."""
+        shapes = pending_shapes(self.engine, max_len, shapes)
         if not shapes:
             return WarmupReport()
         start = time.perf_counter()
         bar = self._progress_bar(use_tqdm, total=len(shapes), desc="Compiling step shapes", unit="shape").bar
         try:
-            report = warm_up(self.engine, max_len=max_len,
+            report = warm_up(self.engine, shapes=shapes,
                              progress=None if bar is None else lambda i, n, shape, seconds: bar.update(1))
         finally:
             if bar is not None:
                 bar.close()
             self.warmup_seconds += time.perf_counter() - start
         return report
-
-    def _reach(self) -> int:
-        """The longest sequence the engine's requests can grow to: prompt + max_tokens (the
-        context when max_tokens is None)."""
-        limit = self.engine.cache.layout.max_len
-        return max((limit if r.params.max_tokens is None else len(r.prompt_token_ids) + r.params.max_tokens
-                    for r in self.engine.requests.values()), default=1)
 
     def _progress_bar(self, use_tqdm, *, total: int, desc: str, **kwargs) -> _Progress:
         if not use_tqdm or total == 0 or jax.process_index() != 0:
@@ -706,7 +704,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         try:
             if self.warmup and not self.engine.scheduler.running:
-                self.warm_up(self._reach())
+                self.warm_up(shapes=planned_shapes(self.engine))
             while pending:
                 if not self.engine.has_unfinished():
                     raise RuntimeError(f"the engine dropped {len(pending)} request(s) without a result")

@@ -8,6 +8,7 @@ documented import path `deepinfer.serve.api.types`.
 
 from deepinfer.serve.engine.types import (  # noqa: F401  (re-exported)
     CompletionOutput,
+    MAX_LOGPROBS,
     FinishReason,
     Logprob,
     RequestMetrics,
@@ -15,4 +16,4 @@ from deepinfer.serve.engine.types import (  # noqa: F401  (re-exported)
     SamplingParams,
 )
 
-__all__ = ["CompletionOutput", "FinishReason", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "CompletionOutput", "FinishReason", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]

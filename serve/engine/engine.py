@@ -23,19 +23,18 @@ import numpy as np
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import has_drafter
 from deepinfer.pallas_kernels.registry import KernelConfig
-from deepinfer.serve.engine.types import Logprob, RequestOutput, SamplingParams
+from deepinfer.serve.engine.types import MAX_LOGPROBS, Logprob, RequestOutput, SamplingParams
 from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.cache import AdmissionError, CacheBudget, CacheManager, make_layout
 from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, StepSampling, token_bucket
 from deepinfer.serve.engine.sampler import SampleOutput
-from deepinfer.serve.engine.scheduler import Scheduler
+from deepinfer.serve.engine.scheduler import Scheduler, prefill_passes
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
 
 log = logging.getLogger("deepinfer.engine")
-MAX_LOGPROBS = 20
 PREFILL_MODES = ("full", "compact")
 
 
@@ -186,8 +185,7 @@ class LLMEngine:
         for request in plan.admitted:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-            compact = self.engine_config.prefill_mode == "compact"
-            request.floor = max(0, request.length - self.engine_config.keep_tokens) if compact else 0
+            request.floor = self.replay_floor(request)
         self.runner.reset([r.slot for r in plan.admitted])
         for request in plan.admitted:
             if request.slot is not None:  # (not preempted again while this step was planned)
@@ -195,21 +193,13 @@ class LLMEngine:
                 self._sampling_slots.add(request.slot)
         finished: list[Request] = []
         to_sample: list[tuple[Request, SampleOutput]] = []
-        # chunks wholly below the replay floor run encoder-only; split before either pass runs,
-        # since the encoder-only pass advances `computed`
-        groups = {False: [], True: []}
-        for r, n in plan.prefill:
-            groups[r.computed + n > r.floor].append((r, n))
-        for decoder, group in groups.items():
-            if not group:
-                continue
+        for step in prefill_passes(plan.prefill, self.cache):
+            decoder, group = step.decoder, step.chunks
             work = [ChunkWork(r.slot, r.ids(r.computed, r.computed + n), r.computed, self._lookback(r, r.computed),
                               r.floor) for r, n in group]
-            per_rank = np.bincount([self.cache.rank_of(w.slot) for w in work], minlength=1).max()
-            rows = 1 << (int(per_rank) - 1).bit_length()
             emit = [r.computed + n == r.length for r, n in group]
             sample = self._step_sampling([r for (r, _), e in zip(group, emit) if e], emit) if decoder else None
-            out = self.runner.run(work, self.cache.page_table, rows=rows, decoder=decoder,
+            out = self.runner.run(work, self.cache.page_table, rows=step.rows, decoder=decoder,
                                   tokens=token_bucket(max(len(w.tokens) for w in work)), sample=sample)
             for i, (request, n) in enumerate(group):
                 request.computed += n
@@ -242,6 +232,13 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
         self._clear_left_slots()
         return outputs
+
+    def replay_floor(self, request: Request) -> int:
+        """Where the decoder layers start on `request`'s tokens, fixed when it is admitted: in
+        compact prefill the last `keep_tokens` of its sequence, else all of it."""
+        if self.engine_config.prefill_mode != "compact":
+            return 0
+        return max(0, request.length - self.engine_config.keep_tokens)
 
     def _clear_left_slots(self) -> None:
         """Slots whose request finished, was aborted or preempted go back to neutral sampling."""

@@ -63,6 +63,18 @@ def token_bucket(n: int, minimum: int = 128) -> int:
     return size
 
 
+def page_bucket(layout: CacheLayout, longest: int) -> int:
+    """Page-table columns of a step whose furthest row ends at sequence position `longest`:
+    the power of two of its pages, at most a slot's."""
+    return min(layout.max_pages_per_slot, token_bucket(-(-longest // layout.page_size), minimum=1))
+
+
+def step_key(kind: str, rows: int, tokens: int, pages: int, all_logits: bool, decoder: bool,
+             head: Sampler | None) -> tuple:
+    """What a compiled step program is keyed on (`ModelRunner.compile_seconds`)."""
+    return (kind, rows, tokens, pages, all_logits, decoder, head)
+
+
 def _device_of(params: dict):
     """The one device all of `params` live on, or None (JAX's default device)."""
     devices = {d for leaf in jax.tree.leaves(params) if isinstance(leaf, jax.Array) for d in leaf.sharding.device_set}
@@ -178,8 +190,7 @@ class ModelRunner:
         T, per_rank, dp = tokens, self.layout.slots_per_rank, self.layout.dp
         B = rows * dp
         longest = max(w.start + len(w.tokens) for w in work)
-        n_pages = min(self.layout.max_pages_per_slot,
-                      token_bucket(-(-longest // self.layout.page_size), minimum=1))
+        n_pages = page_bucket(self.layout, longest)
         tok = np.zeros((B, T), np.int32)
         pos = np.full((B, T), -1, np.int32)
         slots = np.zeros((B,), np.int32)
@@ -221,7 +232,7 @@ class ModelRunner:
             emit = np.zeros((B,), np.bool_)
             emit[row_of] = sample.emit
             sample_rows = SampleRows(emit, pos.max(axis=1) + 1)  # the position each row samples
-        key = ("prefill" if T > 1 else "decode", B, T, n_pages, all_logits, decoder, head)
+        key = step_key("prefill" if T > 1 else "decode", B, T, n_pages, all_logits, decoder, head)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation(key[0]):
             if head is not None:

@@ -15,8 +15,34 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from deepinfer.serve.engine.cache import CacheManager
 from deepinfer.serve.engine.request import Request, Status
+
+
+@dataclass
+class PrefillPass:
+    """Prefill chunks that run in one runner step: `decoder` False for chunks wholly below their
+    sequence's replay floor (compact prefill: encoder only); `rows` per dp rank, a power of two."""
+
+    decoder: bool
+    chunks: list[tuple[Request, int]]
+    rows: int
+
+
+def prefill_passes(prefill: list[tuple[Request, int]], cache: CacheManager) -> list[PrefillPass]:
+    """A plan's prefill chunks as the steps that run them: the encoder-only pass first. Split
+    before either runs, since the encoder-only pass advances `computed`."""
+    groups = {False: [], True: []}
+    for r, n in prefill:
+        groups[r.computed + n > r.floor].append((r, n))
+    passes = []
+    for decoder, chunks in groups.items():
+        if chunks:
+            per_rank = np.bincount([cache.rank_of(r.slot) for r, _ in chunks]).max()
+            passes.append(PrefillPass(decoder, chunks, 1 << (int(per_rank) - 1).bit_length()))
+    return passes
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 __all__ = [
+    "MAX_LOGPROBS",
     "CompletionOutput",
     "FinishReason",
     "Logprob",
@@ -35,6 +36,8 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
+
+MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for (`SamplingParams.logprobs`)
 
 FinishReason = Literal["stop", "length", "abort"]
 

@@ -31,7 +31,9 @@ from typing import Callable
 import numpy as np
 
 from deepinfer.serve.engine import sampling_state
-from deepinfer.serve.engine.runner import ChunkWork, StepSampling, token_bucket
+from deepinfer.serve.engine.runner import ChunkWork, StepSampling, step_key, token_bucket
+from deepinfer.serve.engine.sampler import Sampler
+from deepinfer.serve.engine.types import MAX_LOGPROBS
 
 __all__ = ["StepShape", "WarmupReport", "pending_shapes", "step_shapes", "warm_up"]
 
@@ -49,9 +51,10 @@ class StepShape:
     tokens: int = 1
     pages: int = 0
     decoder: bool = True
+    logprobs: bool = False  # the sampler also returns logprobs and top-k (a program of its own)
 
     def __str__(self) -> str:
-        extra = "" if self.decoder else ", encoder only"
+        extra = ("" if self.decoder else ", encoder only") + (", with logprobs" if self.logprobs else "")
         return f"{self.kind} {self.rows} rows x {self.tokens} tokens x {self.pages} pages{extra}"
 
 
@@ -138,26 +141,35 @@ def _run_step(engine, shape: StepShape) -> None:
     for slot in range(shape.rows):
         table[slot, :needed] = (slot * needed + np.arange(needed)) % (layout.num_pages // layout.dp)
         work.append(ChunkWork(slot, np.ones(n, np.int32), start, np.ones(start, np.int32), floor))
-    sample = StepSampling([False] * len(work)) if shape.decoder else None  # no token kept
+    sample = StepSampling([False] * len(work), _logprobs(shape)) if shape.decoder else None  # no token kept
     engine.runner.run(work, table, rows=shape.rows, tokens=shape.tokens, decoder=shape.decoder, sample=sample)
+
+
+def _logprobs(shape: StepShape) -> int | None:
+    return MAX_LOGPROBS if shape.logprobs else None
 
 
 def _is_compiled(engine, shape: StepShape) -> bool:
     """`shape` ran before: warmed up earlier, or a real step of the runner used it."""
     if shape in engine.warmed_shapes:
         return True
-    rows = shape.rows * engine.cache.layout.dp
-    return (shape.kind, rows, shape.tokens, shape.pages, False, shape.decoder) in engine.runner.compile_seconds
+    head = Sampler(_logprobs(shape)) if shape.decoder else None
+    key = step_key(shape.kind, shape.rows * engine.cache.layout.dp, shape.tokens, shape.pages, False,
+                   shape.decoder, head)
+    return key in engine.runner.compile_seconds
 
 
-def pending_shapes(engine, max_len: int | None = None) -> list[StepShape]:
-    """The shapes of `step_shapes(engine, max_len)` that have not run yet (what `warm_up` compiles)."""
-    return [s for s in step_shapes(engine, max_len) if not _is_compiled(engine, s)]
+def pending_shapes(engine, max_len: int | None = None, shapes: list[StepShape] | None = None) -> list[StepShape]:
+    """The shapes of `shapes` (default: `step_shapes(engine, max_len)`) that have not run yet
+    (what `warm_up` compiles)."""
+    shapes = step_shapes(engine, max_len) if shapes is None else shapes
+    return [s for s in shapes if not _is_compiled(engine, s)]
 
 
 def warm_up(engine, progress: Callable[[int, int, StepShape, float], None] | None = None,
-            max_len: int | None = None) -> WarmupReport:
-    """Compile the shapes of `step_shapes(engine, max_len)` that have not run yet (see the module
+            max_len: int | None = None, shapes: list[StepShape] | None = None) -> WarmupReport:
+    """Compile the shapes of `shapes` (default: `step_shapes(engine, max_len)`; the shapes a
+    known batch will use: `shape_plan.planned_shapes`) that have not run yet (see the module
     docstring); no request may be running (waiting ones hold no slot or page and stay queued).
     `progress(i, n, shape, seconds)` after each shape (default: a log line)."""
     if engine.scheduler.running:
@@ -165,7 +177,7 @@ def warm_up(engine, progress: Callable[[int, int, StepShape, float], None] | Non
     if progress is None:
         def progress(i, n, shape, seconds):
             log.info("warm-up %d/%d: %s in %.2f s", i, n, shape, seconds)
-    shapes = pending_shapes(engine, max_len)
+    shapes = pending_shapes(engine, max_len, shapes)
     report = WarmupReport()
     if not shapes:
         return report

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from deepinfer.serve.api.types import Logprob, RequestOutput, SamplingParams
+from deepinfer.serve.api.types import MAX_LOGPROBS, Logprob, RequestOutput, SamplingParams
 from deepinfer.serve.grpc import deepinfer_engine_pb2 as pb
 
 __all__ = [
@@ -42,7 +42,6 @@ __all__ = [
     "sampling_params_from_proto",
 ]
 
-MAX_LOGPROBS = 20  # the engine's limit on alternatives per token
 MAX_REQUEST_ID_BYTES = 256  # a request id is echoed in every stream message: keep it short
 MAX_JSON_DEPTH = 64  # nesting of chat messages / tools JSON (a tool schema needs a few levels)
 

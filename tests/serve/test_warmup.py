@@ -23,6 +23,8 @@ from deepinfer.serve.engine import runner as runner_module
 from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.serve.engine.shape_plan import planned_shapes
+from deepinfer.serve.engine.types import MAX_LOGPROBS
 from deepinfer.serve.engine.warmup import pending_shapes, step_shapes, warm_up
 
 BUDGET = CacheBudget(num_slots=4, max_model_len=1024, page_size=64)
@@ -50,7 +52,11 @@ def recorded(monkeypatch):
         B, T = batch.tokens.shape
         calls["step"].append((B, T, batch.page_table.shape[1], head.num_logprobs, True))
         counts = np.zeros((config.num_hidden_layers, config.n_routed_experts), np.int64)
-        return cache, state, SampleOutput(tokens=np.full(B, 5, np.int32)), counts
+        k = head.num_logprobs
+        if k is None:
+            return cache, state, SampleOutput(tokens=np.full(B, 5, np.int32)), counts
+        return cache, state, SampleOutput(np.full(B, 5, np.int32), np.zeros(B, np.float32), np.ones(B, np.int32),
+                                          np.zeros((B, k), np.int32), np.zeros((B, k), np.float32)), counts
 
     monkeypatch.setattr(runner_module, "forward_step", fake_step)
     monkeypatch.setattr(runner_module, "engine_step", fake_engine_step)
@@ -141,6 +147,80 @@ def test_step_shapes_follow_the_layout(model):
     assert (1, 256, 4, True) in prefill and (2, 128, 16, True) in prefill
     assert (1, 128, 16, False) in prefill  # ends in (512, 1024], below the floor 1023 - 140
     assert {s.kind for s in shapes} == {"prefill", "decode"}  # sampling is part of the steps
+
+
+def recorded_key(shape) -> tuple:
+    """How the recorders above log a step of `shape` (one dp rank)."""
+    head = (MAX_LOGPROBS if shape.logprobs else None) if shape.decoder else False
+    return (shape.rows, shape.tokens, shape.pages, head, shape.decoder)
+
+
+def add_mix(engine, seed: int, count: int, limit: int, *, stop_early: bool = False) -> None:
+    """`count` requests of mixed lengths (1 .. `limit` - 24 tokens), sampling kinds and logprobs;
+    with `stop_early` some may end on token 5, which the recorders always sample."""
+    rng = random.Random(seed)
+    for i in range(count):
+        length = rng.choice([rng.randint(1, 130), rng.randint(130, limit - 24)])
+        params = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=i, ignore_eos=True,
+                                max_tokens=rng.randint(1, min(200, limit - length - 1)),
+                                logprobs=rng.choice([None, None, 2]))
+        if stop_early and rng.random() < 0.5:
+            params = dataclasses.replace(params, stop_token_ids=[5], min_tokens=rng.randint(0, params.max_tokens))
+        engine.add_request(f"r{i}", [0] + [100 + (7 * j) % 5000 for j in range(length - 1)], params)
+
+
+@pytest.mark.parametrize(("engine_kw", "count", "budget"), [
+    (dict(), 3, BUDGET),
+    (dict(prefill_chunk=256, prefill_rows=2), 9, BUDGET),  # more requests than slots: a queue
+    (dict(prefill_chunk=128, prefill_mode="full"), 6, BUDGET),
+    (dict(prefill_chunk=256), 6, dataclasses.replace(BUDGET, num_pages=16)),  # preemptions
+])
+def test_planned_shapes_are_the_shapes_the_engine_uses(model, recorded, engine_kw, count, budget):
+    """The dry run of the scheduler names exactly the step shapes of a batch that runs to its
+    max_tokens, whatever the queue, prefill rows, prefill mode, logprobs or preemptions; the
+    engine is left as it was."""
+    config, params, tokenizer = model
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, **engine_kw))
+    add_mix(engine, seed=count, count=count, limit=budget.max_model_len)
+    before = engine_state(engine)
+    planned = planned_shapes(engine)
+    assert engine_state(engine) == before
+    assert len(planned) == len(set(planned))
+    while engine.has_unfinished():
+        engine.step()
+    used = set(recorded["step"])
+    planned_prefill = {recorded_key(s) for s in planned if s.kind == "prefill"}
+    assert {k for k in used if k[1] > 1} == planned_prefill
+    # decode: every bucket a request's decodes cross (early stops need no other)
+    assert {k for k in used if k[1] == 1} <= {recorded_key(s) for s in planned if s.kind == "decode"}
+    if budget.num_pages:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_planned_decode_shapes_cover_early_stops(model, recorded):
+    """Requests that stop early (a stop token) use no decode shape that was not planned."""
+    engine = make_engine(model)
+    add_mix(engine, seed=11, count=4, limit=BUDGET.max_model_len, stop_early=True)
+    planned = {recorded_key(s) for s in planned_shapes(engine)}
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    assert {o.outputs[0].finish_reason for o in finished} == {"stop", "length"}
+    assert set(recorded["step"]) <= planned, sorted(set(recorded["step"]) - planned)
+
+
+def test_planned_shapes_of_one_long_prompt(model):
+    """A 1,357-token prompt at the engine defaults (compact prefill, 512-token chunks) is two
+    encoder-only chunks, one chunk with the decoder, then decodes: 4 shapes where everything its
+    length can reach is more than 5 times as many."""
+    engine = LLMEngine(model[1], model[0], model[2],
+                       EngineConfig(budget=CacheBudget(num_slots=8, max_model_len=4096, page_size=128)))
+    engine.add_request("a", [0] + list(range(1, 1357)), SamplingParams(max_tokens=256))
+    planned = [str(s) for s in planned_shapes(engine)]
+    assert planned == ["prefill 1 rows x 512 tokens x 4 pages, encoder only",
+                       "prefill 1 rows x 512 tokens x 8 pages, encoder only",
+                       "prefill 1 rows x 512 tokens x 16 pages", "decode 8 rows x 1 tokens x 16 pages"]
+    assert len(step_shapes(engine, 1357 + 256)) > 5 * len(planned)
 
 
 @pytest.mark.slow

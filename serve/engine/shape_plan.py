@@ -1,0 +1,115 @@
+"""The step shapes a known set of requests will use: a dry run of the scheduler.
+
+Offline jobs (`LLM.generate`, `deepinfer generate` and `run-batch`) know their requests before
+the first step, so they need not compile every shape their lengths could reach (`warmup.step_shapes`:
+every row count, token bucket and page bucket, 22 shapes and 9 minutes for one cold 1,357-token
+prompt on 2 CPU cores). `planned_shapes` runs the engine's own scheduler on copies of the cache
+bookkeeping and of the requests, and applies the same bucketing as `LLMEngine.step` and
+`ModelRunner.run`, without touching the device, until only decodes are left: the prefill
+shapes that come out are what the real steps will ask for, provided every request runs to its
+`max_tokens` (or the context). The decode shapes are every page bucket between a request's
+prompt and its final length, so early stops never miss one.
+
+A request that stops early (EOS, a stop string) frees its slot sooner, which can move the
+admission of a queued request to a step with a different mix of prefill rows: such a prefill
+shape compiles when it is first used (logged by the runner; the persistent compilation cache
+keeps it for the next run).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import deque
+
+from deepinfer.serve.engine.runner import page_bucket, token_bucket
+from deepinfer.serve.engine.scheduler import Scheduler, prefill_passes
+from deepinfer.serve.engine.warmup import StepShape
+
+__all__ = ["planned_shapes"]
+
+
+def _final_length(request, max_len: int) -> int:
+    """Where a request that never stops early ends (`LLMEngine._check_stop`)."""
+    limit = request.params.max_tokens
+    return max_len if limit is None else min(max_len, len(request.prompt_token_ids) + limit)
+
+
+def _wants_logprobs(requests) -> bool:
+    return any(r.params.logprobs is not None for r in requests)
+
+
+def _only_decodes_left(scheduler: Scheduler, max_len: int) -> bool:
+    """No prefill chunk can come any more: nothing waits, every running request only decodes,
+    and the pages for every running request's final length are free (no preemption)."""
+    if scheduler.waiting or any(r.to_feed != 1 for r in scheduler.running):
+        return False
+    cache = scheduler.cache
+    need = [0] * cache.layout.dp
+    for r in scheduler.running:
+        need[cache.rank_of(r.slot)] += cache.pages_for(_final_length(r, max_len)) - cache.owned_pages(r.slot)
+    return all(n <= cache.pages.ranks[rank].free for rank, n in enumerate(need))
+
+
+def _decode_ends(requests, max_len: int) -> dict[bool, tuple[int, int]]:
+    """The sequence ends a decode step's longest row can have, by whether the step returns
+    logprobs: a request decodes from its prompt + 1 (the first sample comes from its prefill)
+    to its final length - 1, and a step returns logprobs when one of its rows asks. Exact bounds
+    of what early stops can make of the plan; the steps with logprobs may hold any request."""
+    ends = {}
+    for logprobs in (False, True):
+        own = [r for r in requests if (r.params.logprobs is not None) == logprobs]
+        reach = requests if logprobs else own
+        if own:
+            low = min(len(r.prompt_token_ids) + 1 for r in own)
+            high = max(_final_length(r, max_len) - 1 for r in reach)
+            if low <= high:
+                ends[logprobs] = (low, high)
+    return ends
+
+
+def planned_shapes(engine, max_steps: int = 100_000) -> list[StepShape]:
+    """The shapes of the steps that run the engine's current requests to their end (see the
+    module docstring), in the order they first occur. The engine is not changed."""
+    layout, ec = engine.cache.layout, engine.engine_config
+    cache = copy.deepcopy(engine.cache, memo={id(engine.config): engine.config, id(layout): layout})
+    scheduler = Scheduler(cache, prefill_chunk=ec.prefill_chunk, prefill_rows=ec.prefill_rows)
+    shadow = {id(r): dataclasses.replace(r, output_ids=list(r.output_ids), detokenizer=None, logprobs=None)
+              for r in (*engine.scheduler.waiting, *engine.scheduler.running)}
+    scheduler.waiting = deque(shadow[id(r)] for r in engine.scheduler.waiting)
+    scheduler.running = [shadow[id(r)] for r in engine.scheduler.running]
+    max_len = layout.max_len
+    shapes: dict[StepShape, None] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_work or _only_decodes_left(scheduler, max_len):
+            break
+        plan = scheduler.schedule()
+        for r in plan.admitted:
+            r.floor = engine.replay_floor(r)
+        sampled = list(plan.decode)
+        for step in prefill_passes(plan.prefill, cache):
+            emitting = [r for r, n in step.chunks if r.computed + n == r.length]
+            shapes[StepShape("prefill", step.rows, token_bucket(max(n for _, n in step.chunks)),
+                             page_bucket(layout, max(r.computed + n for r, n in step.chunks)), step.decoder,
+                             logprobs=step.decoder and _wants_logprobs(emitting))] = None
+            for r, n in step.chunks:
+                r.computed += n
+                if r.to_feed == 0:
+                    sampled.append(r)
+        for r in plan.decode:
+            r.computed += 1
+        for r in sampled:
+            r.output_ids.append(0)
+            if r.length >= _final_length(r, max_len):
+                scheduler.finish(r)
+        if not plan.prefill and not plan.decode:  # `LLMEngine._finish_stuck`
+            for r in [r for r in scheduler.running if r.to_feed == 1]:
+                scheduler.finish(r)
+    else:
+        raise RuntimeError(f"the dry run of the scheduler did not finish its prefills in {max_steps} steps")
+
+    for logprobs, (low, high) in _decode_ends(list(shadow.values()), max_len).items():
+        buckets = {page_bucket(layout, n) for n in range(low, high, layout.page_size)} | {page_bucket(layout, high)}
+        for pages in sorted(buckets):
+            shapes[StepShape("decode", layout.slots_per_rank, 1, pages, True, logprobs=logprobs)] = None
+    return list(shapes)
