@@ -7,9 +7,9 @@ its source's keys: `s[t] = sum_h w_h * relu(q_h . k_t) / sqrt(d)`, invisible ent
 candidate-source layer (20 in the release) also selects a pool of 8-entry blocks that later
 Reindex layers are restricted to.
 
-The scoring and selection math lives in `pallas_kernels/reference/indexer.py` (the `index_topk`
-kernel op's reference); this module computes the op's inputs and reaches the op through the
-kernel registry, so a GPU kernel can replace it.
+The scoring and selection math lives in `ops/index_select.py` (below the model and the kernels;
+the `index_topk` kernel op's reference is built from it); this module computes the op's inputs
+and reaches the op through the kernel registry, so a GPU kernel can replace it.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from deepinfer.model import qat
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.layers import apply_rope, compress_inv_freq, linear, rms_norm
-from deepinfer.pallas_kernels.reference import indexer as reference
-from deepinfer.pallas_kernels.reference.indexer import candidate_blocks, select_topk  # noqa: F401 (model API)
+from deepinfer.ops import index_select
+from deepinfer.ops.index_select import candidate_blocks, select_topk  # noqa: F401 (model API)
 from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
 
@@ -51,7 +51,7 @@ def index_scores(p: dict, config: ModelConfig, x: jax.Array, q_residual: jax.Arr
     """x `[B, T, D]` (attn-normed), q_residual `[B, T, q_lora]`, keys `[B, R, d]` -> `[B, T, R]`
     fp32 scores with entries not yet visible to each query (e >= (pos+1)//ratio) at -inf."""
     q, weights = index_queries(p, config, x, q_residual, positions)
-    return reference.index_scores(q, weights, keys, positions, ratio)
+    return index_select.index_scores(q, weights, keys, positions, ratio)
 
 
 @jax.named_scope("indexer")
@@ -104,7 +104,7 @@ def select_in_pool(index_topk, q: jax.Array, weights: jax.Array, keys: jax.Array
     scores of the same entries, in the same order, so ties break alike (lower entry first)."""
     B, T, C, d = keys.shape
     H = q.shape[2]
-    visible = (ids >= 0) & (ids < reference.visible_counts(positions, ratio)[..., None])
+    visible = (ids >= 0) & (ids < index_select.visible_counts(positions, ratio)[..., None])
     every = jnp.full((B * T, 1), C * ratio - 1, jnp.int32)  # a position that sees all C rows
     top, _ = index_topk(q.reshape(B * T, 1, H, d), weights.reshape(B * T, 1, H), keys.reshape(B * T, C, d), every,
                         ratio, k, visible.reshape(B * T, 1, C), None)

@@ -56,6 +56,7 @@ __all__ = [
     "exp2_int",
     "e8m0_to_float32",
     "e2m1_codes",
+    "e2m1_to_f32",
     "pack_nibbles",
     "unpack_nibbles",
     "quantize_fp8_blocks",
@@ -175,14 +176,22 @@ def e2m1_codes(q, xp=jnp):
 
 
 def _e2m1_decode(codes, xp):
-    """e2m1 codes -> float32 `E2M1_VALUES[codes]`. On device from the bits (`0.5 m` for exponent
-    0, else `2^(e-1) (1 + m/2)`, code 8 +0.0): XLA:CPU runs a table lookup as one gather per
-    value, which made decoding a decode step's FP4 indexer keys cost more than scoring them."""
+    """e2m1 codes -> float32 `E2M1_VALUES[codes]` (numpy: the table; jnp: `e2m1_to_f32`)."""
     if _is_numpy(xp):
         return E2M1_VALUES[codes.astype(np.int32)]
+    return e2m1_to_f32(codes)
+
+
+def e2m1_to_f32(codes: jax.Array) -> jax.Array:
+    """e2m1 codes (0..15: sign bit 3, exponent bits 2-1, mantissa bit 0) -> float32
+    `E2M1_VALUES[codes]` from the bits: `0.5 m` for exponent 0, else `2^(e-1) (1 + m/2)`; code 8
+    (-0) is +0.0 as in the table. No table: XLA:CPU runs a lookup as one gather per value (it
+    made decoding a decode step's FP4 indexer keys cost more than scoring them), and the Pallas
+    kernels (Triton, Mosaic) decode MXFP4 tiles with it inside the kernel."""
     code = codes.astype(jnp.int32)
     e, m = (code >> 1) & 3, code & 1
-    magnitude = _bitcast(jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22)), np.float32, xp)
+    magnitude = jax.lax.bitcast_convert_type(jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22)),
+                                             jnp.float32)
     return jnp.where(code > 8, -magnitude, magnitude)
 
 

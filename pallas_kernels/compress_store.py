@@ -120,16 +120,6 @@ def _interleave(even: jax.Array, odd: jax.Array) -> jax.Array:
     return jax.lax.stack([even, odd], axis=even.ndim).reshape(bt, -1)
 
 
-def _e2m1_value(codes: jax.Array) -> jax.Array:
-    """`quant.E2M1_VALUES[codes]` without a table: code 8 (negative zero) is +0.0 as there."""
-    mag = (codes & 7).astype(jnp.int32)
-    half = (mag & 1).astype(_F32) * 0.5
-    e = mag >> 1
-    power = jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0)).astype(_F32)
-    value = jnp.where(e == 0, half, power * (1.0 + half))
-    return jnp.where(((codes & 8) != 0) & (mag != 0), -value, value)
-
-
 def e4m3_round(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`v.astype(float8_e4m3fn)` for fp32 `v >= 2^-9` (an FP4 block scale) from the bits:
     returns (the e4m3 value as fp32, its byte). Triton converts to fp8 only on sm_89+, and this
@@ -192,8 +182,8 @@ def _encode_and_store(rows: jax.Array, cos, sin, dest, ok, pool_refs, *, block: 
         _store_rows(scales_ref, stored, dest, ok)
         return
     if fake_quant:  # quant.fake_quant_fp4: decoded codes times the scale, in the input dtype
-        even = _e2m1_value(ce) * scale[..., None]
-        odd = _e2m1_value(co) * scale[..., None]
+        even = quant.e2m1_to_f32(ce) * scale[..., None]
+        odd = quant.e2m1_to_f32(co) * scale[..., None]
     (float_ref,) = pool_refs
     _store_rows(float_ref, _interleave(even, odd).astype(rows.dtype), dest, ok)
 

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from deepinfer.ops import quant
 from deepinfer.pallas_kernels.sparse_attention import _MIN_DOT, _pad_axis, _pow2_at_least
 
 MXFP4_BLOCK = 32  # one UE8M0 scale per 32 values along K (OCP MX)
@@ -80,17 +81,6 @@ def _e4m3_bits_to_f32(u8: jax.Array) -> jax.Array:
     return jnp.where(u >= 0x80, -mag, mag)
 
 
-def _e2m1_to_f32(code: jax.Array) -> jax.Array:
-    """e2m1 codes (int32 0..15: sign bit 3, exponent bits 2-1, mantissa bit 0) -> fp32, without
-    a table: `0.5 m` for exponent 0, else `2^(e-1) (1 + m/2)`. Code 8 (-0) decodes to +0.0
-    like the reference table."""
-    e = (code >> 1) & 3
-    m = code & 1
-    bits = jnp.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    mag = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return jnp.where(code > 8, -mag, mag)
-
-
 def _mxfp4_tile(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """Packed bytes `[R, C/2]` (int8, low nibble = even column) and UE8M0 scales `[R, C/32]`
     -> the dequantized tile `[R, C]` in `dtype` (through fp32, as the reference)."""
@@ -100,7 +90,7 @@ def _mxfp4_tile(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     n_s = scale.shape[1]
     s = _e8m0_to_f32(scale)
     s = jnp.broadcast_to(s[:, :, None], (rows, n_s, MXFP4_BLOCK)).reshape(rows, 2 * half)
-    return (_e2m1_to_f32(codes) * s).astype(dtype)
+    return (quant.e2m1_to_f32(codes) * s).astype(dtype)
 
 
 def _dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:

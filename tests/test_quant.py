@@ -480,3 +480,10 @@ def test_e2m1_decode_on_device_equals_the_table():
     """The device decode computes values from the bits (no table gather); code 8 is +0.0."""
     got = np.asarray(Q._e2m1_decode(jnp.arange(16, dtype=jnp.uint8), jnp))
     np.testing.assert_array_equal(got.view(np.uint32), Q.E2M1_VALUES.view(np.uint32))
+
+
+def test_e2m1_decode_from_the_bits_matches_the_table():
+    """What the kernels decode MXFP4 tiles with, bit for bit (code 8 is +0.0 in both)."""
+    codes = jnp.arange(16, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(Q.e2m1_to_f32(codes)).view(np.uint32),
+                                  Q.E2M1_VALUES.view(np.uint32))
