@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.params import compute_dtype
@@ -134,6 +135,14 @@ def slot_bytes(config: ModelConfig, layout: CacheLayout) -> int:
     for shape, dt in row_shapes("window", config.head_dim, layout.storage, compute_dtype(config)):
         total += rings * config.sliding_window * shape[0] * jnp.dtype(dt).itemsize
     return total + len(pending_sources(config)) * 2 * config.head_dim * 4
+
+
+def padded_slot_ids(slots, num_slots: int) -> np.ndarray:
+    """int32 `[num_slots]`: `slots` then ids past the end (no-ops for `reset_slots` and the
+    sampling-state writers), so one program serves any number of slots."""
+    padded = np.full((num_slots,), num_slots, np.int32)
+    padded[: len(slots)] = slots
+    return padded
 
 
 def reset_slots(cache: KVCache, slots: jax.Array) -> KVCache:

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.kv_cache import CacheLayout, KVCache, init_cache, reset_slots
+from deepinfer.model.kv_cache import CacheLayout, KVCache, init_cache, padded_slot_ids, reset_slots
 from deepinfer.model.step import StepBatch, step_body
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.sharding.context_parallel import zigzag_slots
@@ -139,9 +139,7 @@ class MeshStep:
         return jax.jit(partial(init_cache, self.config, self.layout), out_shardings=shardings)()
 
     def reset(self, cache: KVCache, slots: list[int]) -> KVCache:
-        padded = np.full((self.layout.num_slots,), self.layout.num_slots, np.int32)  # one shape: one compile
-        padded[: len(slots)] = slots
-        return _reset(cache, to_global(padded, self._replicated))
+        return _reset(cache, to_global(padded_slot_ids(slots, self.layout.num_slots), self._replicated))
 
     # ---- the step -----------------------------------------------------------------------
     def __call__(self, params: dict, cache: KVCache, batch: StepBatch, *, all_logits: bool, decoder: bool,

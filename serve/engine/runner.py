@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import draft_from_cache, has_drafter
 from deepinfer.model.forward import engram_hash_ids
-from deepinfer.model.kv_cache import CacheLayout, init_cache, reset_slots
+from deepinfer.model.kv_cache import CacheLayout, init_cache, padded_slot_ids, reset_slots
 from deepinfer.model.step import StepBatch, forward_step
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine import sampling_state
@@ -63,6 +63,9 @@ def token_bucket(n: int, minimum: int = 128) -> int:
     return size
 
 
+_reset_slots = jax.jit(reset_slots, donate_argnums=0)
+
+
 def page_bucket(layout: CacheLayout, longest: int) -> int:
     """Page-table columns of a step whose furthest row ends at sequence position `longest`:
     the power of two of its pages, at most a slot's."""
@@ -82,14 +85,17 @@ def _device_of(params: dict):
 
 
 def _placed_like_params(cache, params: dict):
-    """The new cache with the sharding a step returns it with: params loaded onto a one-device
-    mesh (`load_checkpoint`) make the step's outputs NamedSharding-ed, and a jitted program is
-    keyed on its inputs' shardings, so a cache left as created would compile the first step
-    shape a second time, mid-stream, once the warm-up's steps have passed the cache on."""
+    """The new cache (or sampling state) placed as a step returns it: committed to the params'
+    one device, NamedSharding-ed when the params are (loaded onto a one-device mesh by
+    `load_checkpoint`). A jitted program is keyed on its inputs' shardings and on whether they
+    are committed, so a cache left as created would compile a step shape a second time,
+    mid-stream, once the warm-up's steps have passed their own outputs on."""
     leaf = next((x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)), None)
-    if leaf is None or not isinstance(leaf.sharding, NamedSharding) or len(leaf.sharding.device_set) != 1:
+    if leaf is None or len(leaf.sharding.device_set) != 1:
         return cache
-    return jax.device_put(cache, NamedSharding(leaf.sharding.mesh, PartitionSpec()))
+    if isinstance(leaf.sharding, NamedSharding):
+        return jax.device_put(cache, NamedSharding(leaf.sharding.mesh, PartitionSpec()))
+    return jax.device_put(cache, leaf.sharding)
 
 
 class ModelRunner:
@@ -140,7 +146,7 @@ class ModelRunner:
         if self.mesh_step is not None:
             self.cache = self.mesh_step.reset(self.cache, slots)  # global slot ids are rank-major
         else:
-            self.cache = reset_slots(self.cache, jnp.asarray(slots, jnp.int32))
+            self.cache = _reset_slots(self.cache, padded_slot_ids(slots, self.layout.num_slots))
 
     def write_sampling(self, slot: int, row: sampling_state.SlotRow) -> None:
         """Slot `slot` (global id) samples with `row` from the next step on."""
@@ -152,8 +158,7 @@ class ModelRunner:
     def clear_sampling(self, slots: list[int]) -> None:
         """Slots whose request left go back to neutral (greedy, nothing biased or counted)."""
         if slots:
-            padded = np.full((self.layout.num_slots,), self.layout.num_slots, np.int32)  # one shape
-            padded[: len(slots)] = slots
+            padded = padded_slot_ids(slots, self.layout.num_slots)
             if self.mesh_step is not None:
                 padded = self.mesh_step.replicate(padded)
             self.sampling = self._clear_slots(self.sampling, padded)

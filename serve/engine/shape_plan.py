@@ -7,8 +7,8 @@ prompt on 2 CPU cores). `planned_shapes` runs the engine's own scheduler on copi
 bookkeeping and of the requests, and applies the same bucketing as `LLMEngine.step` and
 `ModelRunner.run`, without touching the device, until only decodes are left: the prefill
 shapes that come out are what the real steps will ask for, provided every request runs to its
-`max_tokens` (or the context). The decode shapes are every page bucket between a request's
-prompt and its final length, so early stops never miss one.
+`max_tokens` (or the context). The decode shapes are the page buckets each request's decodes
+cross (`_decode_buckets`), so early stops never miss one.
 
 A request that stops early (EOS, a stop string) frees its slot sooner, which can move the
 admission of a queued request to a step with a different mix of prefill rows: such a prefill
@@ -51,21 +51,22 @@ def _only_decodes_left(scheduler: Scheduler, max_len: int) -> bool:
     return all(n <= cache.pages.ranks[rank].free for rank, n in enumerate(need))
 
 
-def _decode_ends(requests, max_len: int) -> dict[bool, tuple[int, int]]:
-    """The sequence ends a decode step's longest row can have, by whether the step returns
-    logprobs: a request decodes from its prompt + 1 (the first sample comes from its prefill)
-    to its final length - 1, and a step returns logprobs when one of its rows asks. Exact bounds
-    of what early stops can make of the plan; the steps with logprobs may hold any request."""
-    ends = {}
+def _decode_buckets(requests, layout, max_len: int) -> dict[bool, set[int]]:
+    """The page buckets of the decode steps, by whether the step returns logprobs. A request
+    decodes with its sequence ending from its prompt + 1 (the first sample comes from its
+    prefill) to its final length - 1; a step's page bucket is that of its longest row, which is
+    one of its rows, so it lies in the union of its requests' ranges whoever stopped early. A
+    step returns logprobs when one of its rows asks, and its longest row may be any request's."""
+    buckets: dict[bool, set[int]] = {}
     for logprobs in (False, True):
         own = [r for r in requests if (r.params.logprobs is not None) == logprobs]
-        reach = requests if logprobs else own
-        if own:
-            low = min(len(r.prompt_token_ids) + 1 for r in own)
-            high = max(_final_length(r, max_len) - 1 for r in reach)
+        for r in (requests if logprobs and own else own):
+            low, high = len(r.prompt_token_ids) + 1, _final_length(r, max_len) - 1
             if low <= high:
-                ends[logprobs] = (low, high)
-    return ends
+                found = buckets.setdefault(logprobs, set())
+                found.update(page_bucket(layout, n) for n in range(low, high, layout.page_size))
+                found.add(page_bucket(layout, high))
+    return buckets
 
 
 def planned_shapes(engine, max_steps: int = 100_000) -> list[StepShape]:
@@ -108,8 +109,7 @@ def planned_shapes(engine, max_steps: int = 100_000) -> list[StepShape]:
     else:
         raise RuntimeError(f"the dry run of the scheduler did not finish its prefills in {max_steps} steps")
 
-    for logprobs, (low, high) in _decode_ends(list(shadow.values()), max_len).items():
-        buckets = {page_bucket(layout, n) for n in range(low, high, layout.page_size)} | {page_bucket(layout, high)}
+    for logprobs, buckets in _decode_buckets(list(shadow.values()), layout, max_len).items():
         for pages in sorted(buckets):
             shapes[StepShape("decode", layout.slots_per_rank, 1, pages, True, logprobs=logprobs)] = None
     return list(shapes)

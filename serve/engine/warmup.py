@@ -191,11 +191,8 @@ def warm_up(engine, progress: Callable[[int, int, StepShape, float], None] | Non
             report.shapes.append(shape)
             report.seconds.append(time.perf_counter() - t0)
             progress(i, len(shapes), shape, report.seconds[-1])
-        # the engine resets the slots it admits in one step (1 .. prefill_rows per rank): one shape
-        # per count; the last reset also leaves the slots the dummy rows wrote to (rank 0) as new
-        admitted = engine.engine_config.prefill_rows * engine.cache.layout.dp
-        for k in range(1, admitted + 1):
-            runner.reset(list(range(k)))
+        # the engine resets the slots it admits (one program, padded), which also leaves the
+        # slots the dummy rows wrote to (rank 0) as new
         runner.reset(list(range(engine.cache.layout.slots_per_rank)))
         # admission writes a slot's sampling row, a request leaving clears it: two small programs
         # that would otherwise compile in the first real step (slot 0 ends neutral, as it began)

@@ -1,8 +1,8 @@
 """`serve.compilation_cache`: JAX's persistent compilation cache is on by default for `LLM` and the
 commands, under ~/.cache/deepinfer/xla (HOME is a temporary directory here), set once per process.
 
-The suite runs with JAX's cache disabled (tests/conftest.py), so the config-level tests write
-nothing; the end-to-end test turns it on in a subprocess with its own directory.
+The suite runs with a cache of its own run (tests/conftest.py); the config-level tests unset it
+while they run, and the end-to-end test starts its subprocesses with their own directory.
 """
 
 from __future__ import annotations
@@ -89,10 +89,11 @@ def test_llm_turns_it_on_by_default(checkpoint, home, unset_cache):
 @pytest.mark.slow
 def test_a_command_writes_the_cache_where_told_and_nothing_when_off(tmp_path):
     """`deepinfer generate` with $DEEPINFER_COMPILATION_CACHE: the compiled step shapes land there
-    (JAX's cache enabled for these subprocesses only); with --no-compilation-cache nothing."""
+    (not the suite's); with --no-compilation-cache nothing."""
     cache = tmp_path / "jax-cache"
     env = {**os.environ, "HOME": str(tmp_path), "DEEPINFER_COMPILATION_CACHE": str(cache),
            "JAX_ENABLE_COMPILATION_CACHE": "true"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the suite's own (tests/conftest.py) would stay
     argv = [sys.executable, "-m", "deepinfer.serve.cli", "generate", "--prompt", "Hi", "--max-tokens", "2",
             "--temperature", "0", "--max-num-seqs", "2", "--max-model-len", "128", "--page-size", "64",
             "--prefill-chunk", "128", "--prefill-mode", "full"]

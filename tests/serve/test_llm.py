@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from deepinfer.serve.api.types import CompletionOutput, RequestOutput, SamplingParams
+from tests.serve.compilations import COMPILE_EVENTS
 
 SMALL = dict(max_num_seqs=4, max_model_len=512, page_size=64, prefill_chunk=128, prefill_mode="full")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -375,12 +376,18 @@ def test_periodic_stats_line_and_progress_bar(llm, caplog, capsys):
 
 
 @pytest.mark.slow
-def test_a_call_compiles_what_it_can_reach_before_its_first_step(llm, monkeypatch):
-    """`warmup` (on by default): generations that cross page buckets (64 and 128 tokens) and a
-    prompt admitted while another decodes compile nothing inside the engine's steps (JAX's
-    backend-compile events); the shapes they need were compiled before the first step."""
+def test_a_call_compiles_before_its_first_step_at_the_defaults(cache_dir, monkeypatch):
+    """`warmup` (on by default) at the engine defaults (compact prefill, 512-token chunks,
+    128-token pages), on a fresh `LLM` whose params are loaded from the checkpoint (committed to
+    their device): a 1,400-token prompt (two encoder-only chunks, one with the decoder) and a
+    short one that decodes across a page bucket compile nothing inside the engine's steps (JAX's
+    compile and cache-load events): the planned shapes ran before the first step, with inputs placed as
+    the real steps' are."""
     import jax.monitoring
 
+    from deepinfer import LLM
+
+    llm = LLM(cache_dir=cache_dir, max_num_seqs=4, max_model_len=2048)
     during, in_step = [], [False]
     step = llm.engine.step
 
@@ -392,19 +399,23 @@ def test_a_call_compiles_what_it_can_reach_before_its_first_step(llm, monkeypatc
             in_step[0] = False
 
     def on_event(name, seconds, **_):
-        if name == "/jax/core/compile/backend_compile_duration" and in_step[0]:
+        if name in COMPILE_EVENTS and in_step[0]:
             during.append(seconds)
 
     monkeypatch.setattr(llm.engine, "step", counted_step)
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
-        prompts = [random_prompt(n, seed) for n, seed in ((50, 1), (130, 2), (20, 3), (90, 4), (10, 5))]
-        outs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0.8, seed=7, ignore_eos=True),
+        outs = llm.generate([random_prompt(1400, 1), random_prompt(100, 2)],
+                            [SamplingParams(max_tokens=3, **GREEDY), SamplingParams(max_tokens=40, **GREEDY)],
                             use_tqdm=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [30] * 5
-    assert {s.pages for s in llm.engine.warmed_shapes if s.kind == "decode"} >= {1, 2, 4}
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 40]
+    assert [str(s) for s in sorted(llm.engine.warmed_shapes, key=str)] == [
+        "decode 4 rows x 1 tokens x 1 pages", "decode 4 rows x 1 tokens x 16 pages",
+        "decode 4 rows x 1 tokens x 2 pages", "prefill 1 rows x 128 tokens x 1 pages",
+        "prefill 1 rows x 512 tokens x 16 pages", "prefill 1 rows x 512 tokens x 4 pages, encoder only",
+        "prefill 1 rows x 512 tokens x 8 pages, encoder only"]
     assert during == [], f"{len(during)} compilation(s) inside engine steps"
 
 
