@@ -24,7 +24,7 @@ from collections import deque
 
 from deepinfer.serve.engine.runner import page_bucket, token_bucket
 from deepinfer.serve.engine.scheduler import Scheduler, prefill_passes
-from deepinfer.serve.engine.warmup import StepShape
+from deepinfer.serve.engine.warmup import StepShape, step_shapes
 
 __all__ = ["planned_shapes"]
 
@@ -69,9 +69,11 @@ def _decode_buckets(requests, layout, max_len: int) -> dict[bool, set[int]]:
     return buckets
 
 
-def planned_shapes(engine, max_steps: int = 100_000) -> list[StepShape]:
+def planned_shapes(engine, max_steps: int = 20_000) -> list[StepShape]:
     """The shapes of the steps that run the engine's current requests to their end (see the
-    module docstring), in the order they first occur. The engine is not changed."""
+    module docstring), in the order they first occur. The engine is not changed. A dry run that
+    has not reached its last prefill after `max_steps` steps (a long queue behind generations of
+    thousands of tokens) adds every shape the requests' lengths can reach instead."""
     layout, ec = engine.cache.layout, engine.engine_config
     cache = copy.deepcopy(engine.cache, memo={id(engine.config): engine.config, id(layout): layout})
     scheduler = Scheduler(cache, prefill_chunk=ec.prefill_chunk, prefill_rows=ec.prefill_rows)
@@ -106,8 +108,12 @@ def planned_shapes(engine, max_steps: int = 100_000) -> list[StepShape]:
         if not plan.prefill and not plan.decode:  # `LLMEngine._finish_stuck`
             for r in [r for r in scheduler.running if r.to_feed == 1]:
                 scheduler.finish(r)
-    else:
-        raise RuntimeError(f"the dry run of the scheduler did not finish its prefills in {max_steps} steps")
+    else:  # a queue behind very long generations: every shape the requests' lengths can reach
+        reach = max(_final_length(r, max_len) for r in shadow.values())
+        reachable = step_shapes(engine, reach)
+        if _wants_logprobs(shadow.values()):
+            reachable += [dataclasses.replace(s, logprobs=True) for s in reachable if s.decoder]
+        shapes.update(dict.fromkeys(reachable))
 
     for logprobs, buckets in _decode_buckets(list(shadow.values()), layout, max_len).items():
         for pages in sorted(buckets):

@@ -259,3 +259,14 @@ def test_nothing_compiles_after_the_warm_up(model):
         assert compiles == [], f"{len(compiles)} compilation(s) after the warm-up"
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
+
+
+def test_a_dry_run_too_long_to_finish_plans_every_reachable_shape(model):
+    """A queue that would take more dry-run steps than allowed falls back to every shape the
+    requests' lengths can reach (a superset of what they will use)."""
+    engine = make_engine(model)
+    add_mix(engine, seed=5, count=9, limit=BUDGET.max_model_len)  # 9 requests for 4 slots
+    exact = set(planned_shapes(engine))
+    capped = set(planned_shapes(engine, max_steps=3))
+    reach = max(len(r.prompt_token_ids) + r.params.max_tokens for r in engine.requests.values())
+    assert exact <= capped and set(step_shapes(engine, reach)) <= capped
