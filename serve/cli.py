@@ -48,78 +48,25 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping, NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
+
+from deepinfer.serve.engine_args import (  # noqa: F401  (CliError, EnvDefaults: part of this module's API)
+    DTYPES,
+    ENV_ACCELERATOR,
+    CliError,
+    EnvDefaults,
+    add_accelerator_option,
+    add_compilation_cache_options,
+    add_engine_options,
+    check_model_arg,
+    compilation_cache_dir,
+    engine_settings,
+    select_accelerator_from,
+)
 
 __all__ = ["CliError", "EnvDefaults", "build_parser", "main"]
 
 PROG = "deepinfer"
-DTYPES = ("float32", "bfloat16")
-PREFILL_MODES = ("full", "compact")  # = serve.engine.engine.PREFILL_MODES (not imported: it imports JAX)
-DEFAULT_PREFILL_MODE = "compact"
-DEFAULT_KEEP_TOKENS = 140
-ENV_PREFILL_MODE = "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"
-ENV_KEEP_TOKENS = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
-ENV_ACCELERATOR = "DEEPINFER_ACCELERATOR"
-
-
-class CliError(Exception):
-    """Bad user input; reported as one line on stderr with exit code 2."""
-
-
-@dataclass(frozen=True)
-class EnvDefaults:
-    """The `DEEPINFER_*` environment variables, read once at the command-line boundary."""
-
-    compilation_cache: str | None = None
-    # raw strings, validated by the commands that use them (a bad value must not break the others)
-    prefill_mode: str | None = None
-    keep_tokens: str | None = None
-    mesh: str | None = None
-    coordinator: str | None = None
-    num_processes: str | None = None
-    process_id: str | None = None
-    accelerator: str | None = None
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> EnvDefaults:
-        return cls(
-            compilation_cache=environ.get("DEEPINFER_COMPILATION_CACHE") or None,
-            prefill_mode=environ.get(ENV_PREFILL_MODE) or None,
-            keep_tokens=environ.get(ENV_KEEP_TOKENS) or None,
-            mesh=environ.get("DEEPINFER_MESH") or None,
-            coordinator=environ.get("DEEPINFER_COORDINATOR") or None,
-            num_processes=environ.get("DEEPINFER_NUM_PROCESSES") or None,
-            process_id=environ.get("DEEPINFER_PROCESS_ID") or None,
-            accelerator=environ.get(ENV_ACCELERATOR) or None,
-        )
-
-    def resolved_prefill_mode(self) -> str:
-        """`DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE`, else compact."""
-        if self.prefill_mode is None:
-            return DEFAULT_PREFILL_MODE
-        mode = self.prefill_mode.strip().lower()
-        if mode not in PREFILL_MODES:
-            raise CliError(f"{ENV_PREFILL_MODE}={self.prefill_mode!r}: must be one of {', '.join(PREFILL_MODES)}")
-        return mode
-
-    def resolved_accelerator(self) -> str:
-        """`DEEPINFER_ACCELERATOR`, else auto."""
-        from deepinfer.pallas_kernels.accelerator import normalize
-
-        try:
-            return "auto" if self.accelerator is None else normalize(self.accelerator, ENV_ACCELERATOR)
-        except ValueError as e:
-            raise CliError(str(e)) from None
-
-    def resolved_keep_tokens(self) -> int:
-        """`DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`, else 140."""
-        if self.keep_tokens is None:
-            return DEFAULT_KEEP_TOKENS
-        try:
-            return int(self.keep_tokens.strip())
-        except ValueError:
-            raise CliError(f"{ENV_KEEP_TOKENS}={self.keep_tokens!r}: must be an integer") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -198,49 +145,6 @@ def _seconds(t: float) -> str:
     return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
 
 
-def _select_accelerator(args: argparse.Namespace):
-    """The `Accelerator` of --accelerator (default: $DEEPINFER_ACCELERATOR, else auto)."""
-    from deepinfer.pallas_kernels.accelerator import select_accelerator
-
-    try:
-        return select_accelerator(_accelerator_name(args))
-    except ValueError as e:
-        raise CliError(str(e)) from None
-
-
-def _accelerator_name(args: argparse.Namespace) -> str:
-    env: EnvDefaults = getattr(args, "env", None) or EnvDefaults()
-    return args.accelerator if args.accelerator is not None else env.resolved_accelerator()
-
-
-def _add_accelerator_option(p) -> None:
-    from deepinfer.pallas_kernels.accelerator import ACCELERATORS
-
-    p.add_argument("--accelerator", choices=ACCELERATORS, default=None,
-                   help="the devices and kernels to run on: auto (JAX's default backend), cuda, ascend (an "
-                        "Ascend PJRT plugin, reference kernels) or cpu (default: $DEEPINFER_ACCELERATOR, else auto)")
-
-
-def _compilation_cache(args: argparse.Namespace) -> str | None:
-    """The persistent compilation cache directory of --compilation-cache / --no-compilation-cache
-    (default: $DEEPINFER_COMPILATION_CACHE, else ~/.cache/deepinfer/xla); None: off."""
-    from deepinfer.serve.compilation_cache import resolve_compilation_cache
-
-    if args.no_compilation_cache:
-        return None
-    try:
-        return resolve_compilation_cache(args.compilation_cache or True, "--compilation-cache")
-    except ValueError as e:
-        raise CliError(str(e)) from None
-
-
-def _add_compilation_cache_options(p, env: EnvDefaults) -> None:
-    p.add_argument("--compilation-cache", default=env.compilation_cache, metavar="DIR",
-                   help="JAX persistent compilation cache directory: a later run loads the compiled step "
-                        "shapes from there (default: $DEEPINFER_COMPILATION_CACHE, else ~/.cache/deepinfer/xla)")
-    p.add_argument("--no-compilation-cache", action="store_true", help="do not use a persistent compilation cache")
-
-
 # ---- subcommands ---------------------------------------------------------------------------
 
 
@@ -286,8 +190,8 @@ def cmd_forward(args: argparse.Namespace) -> int:
     elif not os.path.isdir(args.checkpoint):
         raise CliError(f"checkpoint directory {args.checkpoint!r} does not exist")
 
-    cache_dir = _compilation_cache(args)
-    accelerator = _select_accelerator(args)
+    cache_dir = compilation_cache_dir(args)
+    accelerator = select_accelerator_from(args)
     device = accelerator.first_local_device
     from deepinfer.serve.compilation_cache import enable_compilation_cache
 
@@ -381,47 +285,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """LLM keyword arguments from the engine options; the YOCO settings fall back to the environment."""
-    env: EnvDefaults = getattr(args, "env", None) or EnvDefaults()
-    for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk"):
-        value = getattr(args, name)
-        if value < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.prefill_chunk % 128:
-        raise CliError(f"--prefill-chunk must be a multiple of 128, got {args.prefill_chunk}")
-    if args.num_pages is not None and args.num_pages < 1:
-        raise CliError(f"--num-pages must be at least 1, got {args.num_pages}")
-    mode = args.prefill_mode if args.prefill_mode is not None else env.resolved_prefill_mode()
-    keep = args.keep_tokens if args.keep_tokens is not None else env.resolved_keep_tokens()
-    settings: dict[str, Any] = {
-        "mesh": args.mesh, "eplb_interval": args.eplb_interval, "eplb_slots": args.eplb_slots,
-        "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs, "page_size": args.page_size,
-        "prefill_chunk": args.prefill_chunk, "num_pages": args.num_pages, "fake_quant": not args.no_fake_quant,
-        "dtype": args.dtype,
-        "prefill_mode": mode, "keep_tokens": keep, "seed": args.seed if args.seed is not None else 0,
-        "accelerator": _accelerator_name(args), "compilation_cache": _compilation_cache(args),
-    }
-    if args.tokenizer is not None:
-        if not os.path.isfile(args.tokenizer):
-            raise CliError(f"tokenizer file {args.tokenizer!r} does not exist")
-        settings["tokenizer"] = args.tokenizer
-    return settings
-
-
-def _check_model_arg(args: argparse.Namespace) -> None:
-    if args.model is not None:
-        from deepinfer.model import PRESETS
-
-        if not os.path.isdir(args.model) and args.model not in PRESETS:
-            raise CliError(f"--model {args.model!r} is neither a checkpoint directory nor a preset "
-                           f"(tiny-v4.1 is the embedded one)")
-
-
 def _make_llm(args: argparse.Namespace, **extra: Any):
     """Build the `LLM` for --model (default: the embedded tiny-v4.1); bad input -> CliError."""
-    settings = _engine_settings(args)
-    _check_model_arg(args)
+    settings = engine_settings(args)
+    check_model_arg(args)
     _start_distributed(args)
     from deepinfer.serve.api.llm import LLM
 
@@ -610,48 +477,6 @@ def _usage_of(parser: argparse.ArgumentParser):
     return show
 
 
-def _add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
-    p.add_argument("--model", default=None, metavar="DIR_OR_PRESET",
-                   help="checkpoint directory (official or orbax) or tiny-v4.1 (default: the embedded "
-                        "tiny-v4.1 with random weights, written once under ~/.cache/deepinfer)")
-    p.add_argument("--tokenizer", default=None, metavar="FILE",
-                   help="a tokenizer.json to use instead of the pinned DeepSeek-V4 one")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: engine seed 0)")
-    p.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="context length (default 4096)")
-    p.add_argument("--max-num-seqs", type=int, default=8, metavar="N", help="concurrent sequences (default 8)")
-    p.add_argument("--page-size", type=int, default=128, metavar="N", help="tokens per cache page (default 128)")
-    p.add_argument("--num-pages", type=int, default=None, metavar="N",
-                   help="cache pages (default: every slot at --max-model-len)")
-    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
-                   help="most prompt tokens per prefill step, a multiple of 128 (default 512)")
-    p.add_argument("--no-fake-quant", action="store_true",
-                   help="skip the QAT fake-quantization of KV and indexer activations")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="activation dtype (default: the checkpoint's)")
-    p.add_argument("--prefill-mode", choices=PREFILL_MODES, default=None,
-                   help=f"YOCO prefill truncation: compact runs the decoder layers on each prompt's last "
-                        f"--keep-tokens rows, full on all (default: ${ENV_PREFILL_MODE}, else "
-                        f"{DEFAULT_PREFILL_MODE})")
-    p.add_argument("--keep-tokens", type=int, default=None, metavar="N",
-                   help=f"prompt rows kept for the decoder layers in compact mode, at least the sliding "
-                        f"window (default: ${ENV_KEEP_TOKENS}, else {DEFAULT_KEEP_TOKENS})")
-    _add_compilation_cache_options(p, env)
-    p.add_argument("--mesh", default=env.mesh, metavar="SPEC",
-                   help="run on a device mesh, e.g. dp=2,cp=2,tp=1 (axes dp, cp, tp; the product is the "
-                        "device count; a missing dp takes the devices left, so cp=2 on 8 devices is dp=4,cp=2), "
-                        "or auto (every device on dp) (default: $DEEPINFER_MESH, else one device)")
-    _add_accelerator_option(p)
-    p.add_argument("--eplb-interval", type=int, default=None, metavar="STEPS",
-                   help="expert load balancing: install a new expert layout every STEPS engine steps (default: off)")
-    p.add_argument("--eplb-slots", type=int, default=None, metavar="N",
-                   help="physical expert slots per layer for EPLB (default: experts + one per device)")
-    p.add_argument("--coordinator", default=env.coordinator, metavar="HOST:PORT",
-                   help="multi-process run: process 0's coordination address (default: $DEEPINFER_COORDINATOR)")
-    p.add_argument("--num-processes", type=int, default=env.num_processes,
-                   metavar="N", help="multi-process run: number of processes (default: $DEEPINFER_NUM_PROCESSES)")
-    p.add_argument("--process-id", type=int, default=env.process_id,
-                   metavar="I", help="multi-process run: this process's index (default: $DEEPINFER_PROCESS_ID)")
-
-
 def _start_distributed(args: argparse.Namespace) -> None:
     """Join the multi-process runtime when --coordinator/--num-processes/--process-id are given;
     processes other than 0 then print nothing."""
@@ -709,8 +534,8 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
                        help="skip the QAT fake-quantization of KV and indexer activations")
     p_fwd.add_argument("--dtype", choices=DTYPES, default=None,
                        help="activation dtype (default: the config's, float32 for tiny-v4.1)")
-    _add_compilation_cache_options(p_fwd, env)
-    _add_accelerator_option(p_fwd)
+    add_compilation_cache_options(p_fwd, env)
+    add_accelerator_option(p_fwd)
     p_fwd.set_defaults(func=cmd_forward)
 
     p_conv = sub.add_parser("convert", help="official checkpoint -> orbax fast-restart checkpoint")
@@ -735,7 +560,7 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     p_gen.add_argument("--thinking", action="store_true", help="--chat in thinking mode (default off)")
     p_gen.add_argument("--json", action="store_true",
                        help="print one JSON object per output (prompt, text, token ids, finish reason) instead")
-    _add_engine_options(p_gen, env)
+    add_engine_options(p_gen, env)
     p_gen.set_defaults(func=cmd_generate)
 
     p_batch = sub.add_parser(
@@ -759,7 +584,7 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
                               "new ones (error lines and a truncated last line are dropped and run again)")
     p_batch.add_argument("--fail-on-error", action="store_true",
                          help="exit with code 3 if any line failed (default: 0 once the run completed)")
-    _add_engine_options(p_batch, env)
+    add_engine_options(p_batch, env)
     p_batch.set_defaults(func=cmd_run_batch)
 
     from deepinfer.pallas_kernels.cli import add_kernels_parser

@@ -193,35 +193,36 @@ def test_convert_then_forward_from_checkpoint(capsys, tmp_path):
 
 
 def test_environment_is_read_only_through_env_defaults(tmp_path, monkeypatch):
-    from deepinfer.serve.cli import _compilation_cache
+    from deepinfer.serve.engine_args import compilation_cache_dir
 
     monkeypatch.setenv("HOME", str(tmp_path))
     env = EnvDefaults.from_environ({"DEEPINFER_COMPILATION_CACHE": "/tmp/jaxcache", "OTHER": "x"})
     args = build_parser(env).parse_args(["forward", "--preset", "tiny-v4.1", "--prompt", "x"])
-    assert args.compilation_cache == "/tmp/jaxcache" and _compilation_cache(args) == "/tmp/jaxcache"
+    assert args.compilation_cache == "/tmp/jaxcache" and compilation_cache_dir(args) == "/tmp/jaxcache"
     for command in (["forward", "--preset", "tiny-v4.1", "--prompt", "x"], ["generate", "--prompt", "x"],
                     ["run-batch", "-i", "a", "-o", "b"], ["serve"]):
         args = build_parser(EnvDefaults.from_environ({})).parse_args(command)
         assert args.compilation_cache is None  # on by default, under the home directory
-        assert _compilation_cache(args) == str(tmp_path / ".cache" / "deepinfer" / "xla")
-        assert _compilation_cache(build_parser(env).parse_args([*command, "--no-compilation-cache"])) is None
+        assert compilation_cache_dir(args) == str(tmp_path / ".cache" / "deepinfer" / "xla")
+        assert compilation_cache_dir(build_parser(env).parse_args([*command, "--no-compilation-cache"])) is None
     (tmp_path / "file").write_text("")
     args = build_parser(env).parse_args(["generate", "--prompt", "x", "--compilation-cache", str(tmp_path / "file")])
     with pytest.raises(CliError, match="--compilation-cache: .* is not a directory"):
-        _compilation_cache(args)
+        compilation_cache_dir(args)
 
 
 def test_no_other_module_reads_deepinfer_environment_variables():
-    """DEEPINFER_* variables are read only by the command line (serve/cli.py)."""
+    """DEEPINFER_* variables are read only by the command line (serve/cli.py and the engine options
+    it shares with `serve`, serve/engine_args.py)."""
     offenders = []
     for root, dirs, files in os.walk(REPO):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "build", "__pycache__")]
         for name in files:
             rel = (pathlib.Path(root) / name).relative_to(REPO)
-            if name.endswith(".py") and rel.as_posix() != "serve/cli.py":
+            if name.endswith(".py") and rel.as_posix() not in ("serve/cli.py", "serve/engine_args.py"):
                 if "DEEPINFER_" in (REPO / rel).read_text(encoding="utf-8", errors="replace"):
                     offenders.append(rel.as_posix())
-    assert offenders == [], f"modules mentioning DEEPINFER_* outside serve/cli.py: {offenders}"
+    assert offenders == [], f"modules mentioning DEEPINFER_* outside the command line: {offenders}"
 
 
 def test_cli_import_does_not_import_jax():
@@ -408,7 +409,7 @@ def test_run_batch_help_documents_exit_codes_and_options(capsys):
 
 
 def test_cli_prefill_modes_are_the_engine_s():
-    from deepinfer.serve import cli
+    from deepinfer.serve import engine_args
     from deepinfer.serve.engine.engine import PREFILL_MODES
 
-    assert cli.PREFILL_MODES == PREFILL_MODES
+    assert engine_args.PREFILL_MODES == PREFILL_MODES

@@ -71,9 +71,9 @@ def add_serve_parser(subparsers, env=None) -> argparse.ArgumentParser:
     net.add_argument("--no-warmup", action="store_true",
                      help="report SERVING right after loading, without compiling every step shape first "
                           "(fast start; the first request of each new shape then waits for its compilation)")
-    from deepinfer.serve.cli import EnvDefaults, _add_engine_options  # the engine options every command shares
+    from deepinfer.serve.engine_args import EnvDefaults, add_engine_options  # what every command shares
 
-    _add_engine_options(p.add_argument_group("engine"), env if env is not None else EnvDefaults())
+    add_engine_options(p.add_argument_group("engine"), env if env is not None else EnvDefaults())
     p.set_defaults(func=run_serve)
     return p
 
@@ -140,16 +140,16 @@ def build_settings(args: argparse.Namespace):
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(...)` keyword arguments from the engine options (shared with `deepinfer generate`)."""
-    from deepinfer.serve.cli import CliError, _check_model_arg, _engine_settings, _select_accelerator
+    from deepinfer.serve.engine_args import CliError, check_model_arg, engine_settings, select_accelerator_from
 
     if any(v is not None for v in (args.coordinator, args.num_processes, args.process_id)):
         raise _BadArgs("--coordinator/--num-processes/--process-id: the gRPC server runs in one process "
                        "(use --mesh for the devices of this host); multi-process runs are for generate and run-batch")
     try:
-        kwargs = _engine_settings(args)
-        _check_model_arg(args)
+        kwargs = engine_settings(args)
+        check_model_arg(args)
         if kwargs["accelerator"] != "auto":  # before listening: a missing backend is bad input, not a load failure
-            _select_accelerator(args)
+            select_accelerator_from(args)
     except CliError as e:
         raise _BadArgs(str(e)) from None
     return {**kwargs, "log_stats_interval": None}
