@@ -5,8 +5,10 @@ It also owns the per-slot sampling state (`sampling_state.py`): the engine write
 it admits a request and clears it when the request leaves; a step run with `sample=` samples on
 the device (`device_step.py`) and returns tokens, not logits.
 
-Shapes are static per bucket: prefill rows are padded to a power-of-two token count (from 128),
-decode always runs all slots with one token each (inactive slots are padding rows).
+Shapes are static per bucket: prefill steps are padded to a power-of-two number of rows per dp
+rank (at most the rank's slots: `row_bucket`) of a power-of-two token count (from 128:
+`token_bucket`); decode always runs all slots with one token each (inactive slots are padding
+rows). The jitted steps are the engine configuration's (`programs.py`), held by the runner.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import draft_from_cache, has_drafter
 from deepinfer.model.forward import engram_hash_ids
 from deepinfer.model.kv_cache import CacheLayout, init_cache, reset_slots
-from deepinfer.model.step import StepBatch, forward_step
+from deepinfer.model.step import StepBatch
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine import sampling_state
-from deepinfer.serve.engine.device_step import engine_step
+from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
 
 log = logging.getLogger("deepinfer.engine")
@@ -61,6 +63,12 @@ def token_bucket(n: int, minimum: int = 128) -> int:
     while size < n:
         size *= 2
     return size
+
+
+def row_bucket(n: int, slots_per_rank: int) -> int:
+    """Rows per dp rank of a prefill step of `n` chunks on a rank: the next power of two, at most
+    the rank's slots (a padding row needs a slot no real row uses)."""
+    return min(1 << (n - 1).bit_length(), slots_per_rank)
 
 
 def page_bucket(layout: CacheLayout, longest: int) -> int:
@@ -118,6 +126,7 @@ class ModelRunner:
             self.cache = self.mesh_step.init_cache()
         else:
             self.params = params
+            self._programs = step_programs(config, layout, kernels)  # held: they live while this runner does
             with jax.default_device(_device_of(params)):  # the cache goes where the params are
                 self.cache = _placed_like_params(init_cache(config, layout), params)
         self.max_logit_bias, self.max_bans = max_logit_bias, max_bans
@@ -139,8 +148,8 @@ class ModelRunner:
             return
         if self.mesh_step is not None:
             self.cache = self.mesh_step.reset(self.cache, slots)  # global slot ids are rank-major
-        else:
-            self.cache = reset_slots(self.cache, jnp.asarray(slots, jnp.int32))
+        else:  # padded with ids past the end (no-ops): one shape whatever the number of slots
+            self.cache = reset_slots(self.cache, jnp.asarray(self._padded_slots(slots)))
 
     def write_sampling(self, slot: int, row: sampling_state.SlotRow) -> None:
         """Slot `slot` (global id) samples with `row` from the next step on."""
@@ -152,11 +161,16 @@ class ModelRunner:
     def clear_sampling(self, slots: list[int]) -> None:
         """Slots whose request left go back to neutral (greedy, nothing biased or counted)."""
         if slots:
-            padded = np.full((self.layout.num_slots,), self.layout.num_slots, np.int32)  # one shape
-            padded[: len(slots)] = slots
+            padded = self._padded_slots(slots)
             if self.mesh_step is not None:
                 padded = self.mesh_step.replicate(padded)
             self.sampling = self._clear_slots(self.sampling, padded)
+
+    def _padded_slots(self, slots: list[int]) -> np.ndarray:
+        """`slots` padded with ids past the end (no-ops) to one shape: one compiled program."""
+        padded = np.full((self.layout.num_slots,), self.layout.num_slots, np.int32)
+        padded[: len(slots)] = slots
+        return padded
 
     @property
     def lookback(self) -> int:
