@@ -3,8 +3,8 @@
 
     python benchmarks/throughput.py [--input-len 128] [--output-len 32] [--batch-sizes 1,8,32]
                                     [--contexts 1024,8192,32768] [--prefill-len 2048]
-                                    [--drafter-batch 8] [--prefill-rows 1] [--sampler-batch 8] [--decode-batches 1,8]
-                                    [--no-start]
+                                    [--drafter-batch 8] [--max-num-batched-tokens 2048] [--sampler-batch 8]
+                                    [--decode-batches 1,8] [--no-start]
 
 Compile and warm-up time are excluded from every measured window (each shape runs once before
 it is timed) and printed separately. The sampler's share is that of the sampler alone (jitted on
@@ -59,10 +59,11 @@ def _run(engine: LLMEngine, prompts, output_len: int, tag: str) -> tuple[float, 
 
 
 def bench_throughput(params, config, tokenizer, batch: int, input_len: int, output_len: int,
-                     drafter_context: bool = False, prefill_rows: int = 1) -> dict:
+                     drafter_context: bool = False,
+                     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens) -> dict:
     budget = CacheBudget(num_slots=batch, max_model_len=input_len + output_len + 64, page_size=128)
     engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=512,
-                                                               prefill_rows=prefill_rows,
+                                                               max_num_batched_tokens=max_num_batched_tokens,
                                                                drafter_context=drafter_context))
     t0 = time.perf_counter()
     _run(engine, _prompts(batch, input_len, seed=1), output_len, "warmup")  # compiles every shape
@@ -171,7 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-batches", default="1,8", help="batch sizes of the decode-step-vs-context figure")
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--drafter-batch", type=int, default=8, help="batch of the drafter-context comparison (0: skip)")
-    ap.add_argument("--prefill-rows", type=int, default=1, help="prompt chunks prefilled together per step")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                    help="tokens per step: decodes plus the prefill chunks of several prompts")
     ap.add_argument("--no-start", action="store_true", help="skip the cold/warm start-up of `deepinfer generate`")
     ap.add_argument("--sampler-batch", type=int, default=8, help="batch of the sampler-share figure (0: skip)")
     args = ap.parse_args(argv)
@@ -184,11 +186,11 @@ def main(argv=None) -> int:
           f"cache rows FP8/FP4 packed; kernels: reference (jnp)")
     print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}); mesh: single device")
     print(f"range_ratio=0 (vLLM semantics): input_len={args.input_len} output_len={args.output_len}; "
-          f"prefill_chunk 512, prefill_rows {args.prefill_rows} per step\n")
+          f"prefill_chunk 512, max_num_batched_tokens {args.max_num_batched_tokens} per step\n")
 
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         r = bench_throughput(params, config, tokenizer, batch, args.input_len, args.output_len,
-                             prefill_rows=args.prefill_rows)
+                             max_num_batched_tokens=args.max_num_batched_tokens)
         total = r["prompt_tokens"] + r["output_tokens"]
         print(f"batch {batch}:")
         print(f"Throughput: {batch / r['elapsed']:.2f} requests/s, {total / r['elapsed']:.2f} total tokens/s, "
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
         rates = {}
         for on in (True, False):
             r = bench_throughput(params, config, tokenizer, args.drafter_batch, args.input_len, args.output_len, on,
-                                 args.prefill_rows)
+                                 args.max_num_batched_tokens)
             rates[on] = (r["prompt_tokens"] + r["output_tokens"]) / r["elapsed"]
         print(f"DSpark drafter context (its window rings written every step), batch {args.drafter_batch}: "
               f"{rates[True]:.1f} total tokens/s with, {rates[False]:.1f} without ({rates[True] / rates[False]:.2f}x)\n")

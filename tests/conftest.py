@@ -29,24 +29,18 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
 import pytest  # noqa: E402
 
 
-def _memory_maps() -> tuple[int, int]:
-    """(memory maps this process holds, the kernel's per-process limit) on Linux, else (0, 1)."""
-    try:
-        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
-            return sum(1 for _ in maps), int(limit.read())
-    except OSError:
-        return 0, 1
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _bounded_compiled_programs():
-    """XLA's CPU backend maps memory for every compiled program. An xdist worker compiles
-    thousands over the suite; once it reaches the kernel's `vm.max_map_count` (65,530 by
-    default) the next compilation crashes the worker (a segfault or abort inside
-    `backend_compile_and_load`, seen twice in full runs). Past half the limit, drop JAX's
-    compilation caches between test modules: modules then recompile what they share."""
+    """XLA's CPU backend maps three memory regions per compiled kernel (an engine-step program:
+    ~600-900). Once a worker reaches the kernel's `vm.max_map_count` (65,530 by default) the
+    next compilation crashes it (a segfault or abort inside `backend_compile_and_load`, seen
+    twice in full runs). The engines release their own step programs (`serve/engine/programs.py`);
+    for every other jitted function, past half the limit, drop JAX's compilation caches between
+    test modules: modules then recompile what they share."""
     yield
-    count, limit = _memory_maps()
+    from deepinfer.serve.engine.programs import memory_maps
+
+    count, limit = memory_maps()
     if count > limit // 2:
         import jax
 

@@ -303,6 +303,7 @@ def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monke
         (["generate", "--prompt", "x", "--model", "deepseek-v4.1-flash"], {}, ["deepseek-v4.1-flash", "no weights"]),
         (["generate", "--prompt", "x", "--model", "/no/such/dir"], {}, ["/no/such/dir"]),
         (["generate", "--prompt", "x", "--prefill-chunk", "100"], {}, ["--prefill-chunk", "128"]),
+        (["generate", "--prompt", "x", "--max-num-batched-tokens", "100"], {}, ["max_num_batched_tokens", "135"]),
         (["generate", "--chat", "Hi", "--thinking", "--max-tokens", "1"], {}, ["<｜System｜>"]),
         (["run-batch", "-i", "/no/such/in.jsonl", "-o", "/tmp/out.jsonl"], {}, ["/no/such/in.jsonl"]),
     ],

@@ -57,6 +57,7 @@ from deepinfer.serve.api.types import RequestOutput, SamplingParams
 from deepinfer.serve.compilation_cache import enable_compilation_cache, resolve_compilation_cache
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import PREFILL_MODES, EngineConfig, LLMEngine
+from deepinfer.serve.engine.scheduler import check_token_budget
 from deepinfer.serve.engine.shape_plan import planned_shapes
 from deepinfer.serve.engine.warmup import StepShape, WarmupReport, pending_shapes, warm_up
 from deepinfer.serve.text.chat import (
@@ -76,7 +77,7 @@ DEFAULT_WEIGHT_SEED = 0
 CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_format")
 _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
-    "prefill_chunk", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
+    "prefill_chunk", "max_num_batched_tokens", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
     "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context", "accelerator",
     "compilation_cache", "warmup",
 )
@@ -254,6 +255,8 @@ class LLM:
             concurrent sequences = cache slots, tokens per page, pages; None = enough for every
             slot at max_model_len).
         prefill_chunk: most prompt tokens per prefill step (a multiple of 128).
+        max_num_batched_tokens: most tokens per step (and dp rank): the decodes plus the prefill
+            chunks of several prompts, and the prefill step's padded rows x tokens.
         dtype: activation dtype override ("float32" or "bfloat16"); None keeps the checkpoint's.
         fake_quant: the QAT fake-quantization of KV and indexer activations.
         prefill_mode, keep_tokens: YOCO prefill truncation (`model-v4.1-flash.md` §4.3):
@@ -300,6 +303,7 @@ class LLM:
         page_size: int = 128,
         num_pages: int | None = None,
         prefill_chunk: int = 512,
+        max_num_batched_tokens: int = 2048,
         dtype: str | None = None,
         fake_quant: bool = True,
         prefill_mode: str = "compact",
@@ -353,6 +357,8 @@ class LLM:
         self.mesh = _resolve_mesh(mesh, self.accelerator)
         if self.mesh is not None and max_num_seqs % self.mesh.shape["dp"]:
             raise ValueError(f"max_num_seqs: {max_num_seqs} must be a multiple of the mesh's dp={self.mesh.shape['dp']}")
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        check_token_budget(max_num_batched_tokens, max_num_seqs // (1 if self.mesh is None else self.mesh.shape["dp"]))
         directory, self.model_name = self._resolve_model(model, cache_dir)
         self.model_dir = directory
         try:
@@ -379,6 +385,7 @@ class LLM:
         budget = CacheBudget(num_slots=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
                              num_pages=num_pages)
         engine_config = EngineConfig(budget=budget, prefill_chunk=prefill_chunk, seed=seed,
+                                     max_num_batched_tokens=max_num_batched_tokens,
                                      prefill_mode=prefill_mode, keep_tokens=keep_tokens,
                                      eplb_interval=eplb_interval, eplb_slots=eplb_slots,
                                      drafter_context=drafter_context, kernels=self.accelerator.kernel_config())

@@ -1,15 +1,14 @@
-"""One engine step on one device as one jitted program: the model step, then the sampler on each
+"""One engine step on one device as one program: the model step, then the sampler on each
 row's last-token logits, so only the sampled tokens (and log-probabilities, when a row asked)
 come back to the host, never the `[rows, vocab]` logits.
 
-The cache and the per-slot sampling state are donated and come back updated (the state's output
-counts advance by the kept tokens). Under a mesh the same head runs inside the shard-mapped step
-(`sharding.engine_step.MeshStep`, `head=`).
+`programs.py` jits it once per engine configuration, with the cache and the per-slot sampling
+state donated: they come back updated (the state's output counts advance by the kept tokens).
+Under a mesh the same head runs inside the shard-mapped step (`sharding.engine_step.MeshStep`,
+`head=`).
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 
@@ -20,13 +19,12 @@ from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
 from deepinfer.serve.engine.sampling_state import SamplingState
 
-__all__ = ["engine_step"]
+__all__ = ["step_and_sample"]
 
 
-@partial(jax.jit, static_argnames=("config", "layout", "kernels", "head"), donate_argnames=("cache", "state"))
-def engine_step(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows, *,
-                config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None = None,
-                head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, SampleOutput, jax.Array]:
+def step_and_sample(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows, *,
+                    config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None = None,
+                    head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, SampleOutput, jax.Array]:
     """Returns the updated cache and sampling state, the rows' `SampleOutput` and the int32
     `[layers, experts]` routed-token counts (EPLB)."""
     cache, logits, counts = step_body(params, cache, batch, config=config, layout=layout, kernels=kernels)

@@ -1,6 +1,6 @@
 """The offline engine: requests in, `RequestOutput`s out, one `step()` at a time.
 
-A step asks the scheduler for work, runs the prefill chunk(s) and the decode batch on the
+A step asks the scheduler for work, runs the prefill chunks and the decode batch on the
 device, where the rows that reached the end of their input are sampled (each request's sampling
 settings are written to its slot's device state when it is admitted), and applies the stop rules
 (EOS unless `ignore_eos`, `stop_token_ids`, stop strings across token boundaries, `max_tokens`,
@@ -30,7 +30,7 @@ from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, StepSampling, token_bucket
 from deepinfer.serve.engine.sampler import SampleOutput
-from deepinfer.serve.engine.scheduler import Scheduler, prefill_passes
+from deepinfer.serve.engine.scheduler import GRANULE, Scheduler, prefill_passes
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
 
@@ -47,10 +47,9 @@ class EngineStalledError(RuntimeError):
 class EngineConfig:
     budget: CacheBudget = CacheBudget()
     prefill_chunk: int = 512
-    # prompts (chunks) prefilled together per step and dp rank; more admit a burst of requests in
-    # fewer steps (each step also runs the decode of every running request): 4 measured 1.49x
-    # total tokens/s at batch 32 (benchmarks/throughput.py), at the price of more compiled shapes
-    prefill_rows: int = 1
+    # tokens per step and dp rank (vLLM's name): decodes plus prefill chunks of several prompts,
+    # and the prefill step's padded rows x tokens; a burst of requests is admitted in a few steps
+    max_num_batched_tokens: int = 2048
     seed: int = 0
     kernels: KernelConfig | None = None
     # "compact" (DeepInfer's default): decoder layers run only on each prompt's last
@@ -73,8 +72,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode must be 'full' or 'compact', got {self.prefill_mode!r}")
-        if self.prefill_rows < 1:
-            raise ValueError(f"prefill_rows must be positive, got {self.prefill_rows}")
+        if self.max_num_batched_tokens < GRANULE:
+            raise ValueError(f"max_num_batched_tokens must be at least {GRANULE} (one prefill chunk), "
+                             f"got {self.max_num_batched_tokens}")
         if self.keep_tokens < 1:
             raise ValueError(f"keep_tokens must be positive, got {self.keep_tokens}")
         if self.eplb_interval is not None and self.eplb_interval < 1:
@@ -111,7 +111,7 @@ class LLMEngine:
                                                     interval=engine_config.eplb_interval)
             self.runner.apply_expert_layout(*self.balancer.initial(), self.balancer.max_replicas)
         self.scheduler = Scheduler(self.cache, prefill_chunk=engine_config.prefill_chunk,
-                                   prefill_rows=engine_config.prefill_rows)
+                                   max_num_batched_tokens=engine_config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         self._seeds = np.random.default_rng(engine_config.seed)  # of requests without one

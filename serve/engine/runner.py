@@ -5,8 +5,10 @@ It also owns the per-slot sampling state (`sampling_state.py`): the engine write
 it admits a request and clears it when the request leaves; a step run with `sample=` samples on
 the device (`device_step.py`) and returns tokens, not logits.
 
-Shapes are static per bucket: prefill rows are padded to a power-of-two token count (from 128),
-decode always runs all slots with one token each (inactive slots are padding rows).
+Shapes are static per bucket: prefill steps are padded to a power-of-two number of rows per dp
+rank (at most the rank's slots: `row_bucket`) of a power-of-two token count (from 128:
+`token_bucket`); decode always runs all slots with one token each (inactive slots are padding
+rows). The jitted steps are the engine configuration's (`programs.py`), held by the runner.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import draft_from_cache, has_drafter
 from deepinfer.model.forward import engram_hash_ids
 from deepinfer.model.kv_cache import CacheLayout, init_cache, padded_slot_ids, reset_slots
-from deepinfer.model.step import StepBatch, forward_step
+from deepinfer.model.step import StepBatch
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine import sampling_state
-from deepinfer.serve.engine.device_step import engine_step
+from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
 
 log = logging.getLogger("deepinfer.engine")
@@ -64,6 +66,12 @@ def token_bucket(n: int, minimum: int = 128) -> int:
 
 
 _reset_slots = jax.jit(reset_slots, donate_argnums=0)
+
+
+def row_bucket(n: int, slots_per_rank: int) -> int:
+    """Rows per dp rank of a prefill step of `n` chunks on a rank: the next power of two, at most
+    the rank's slots (a padding row needs a slot no real row uses)."""
+    return min(1 << (n - 1).bit_length(), slots_per_rank)
 
 
 def page_bucket(layout: CacheLayout, longest: int) -> int:
@@ -124,6 +132,7 @@ class ModelRunner:
             self.cache = self.mesh_step.init_cache()
         else:
             self.params = params
+            self._programs = step_programs(config, layout, kernels)  # held: they live while this runner does
             with jax.default_device(_device_of(params)):  # the cache goes where the params are
                 self.cache = _placed_like_params(init_cache(config, layout), params)
         self.max_logit_bias, self.max_bans = max_logit_bias, max_bans

@@ -1,13 +1,18 @@
 """Continuous batching: which requests get a slot, which prefill chunks and decodes run in the
 next step, and who is preempted when the page pool runs short.
 
-Policy: first come, first served. Every step may run one prefill step (up to `prefill_rows`
-chunks per data-parallel rank of waiting or partly prefilled requests) and one decode step (every request that has a
-token to feed and nothing else). Prefill chunks start at multiples of 128 (a chunk is a
-multiple of 128 tokens except a prompt's last), so compression groups and candidate blocks
-cross chunk boundaries only through the cache. When a decode needs a page and none is free, the
-most recently admitted running request is preempted: its slot and pages are freed and it goes
-back to the front of the queue, to be recomputed from its tokens (prompt + output so far).
+Policy: first come, first served. Every step runs the decode of every request that has one token
+to feed, and prefill chunks of several waiting or partly prefilled requests under a token budget
+per data-parallel rank (vLLM's `max_num_batched_tokens`): the decode tokens plus the chunks'
+tokens never exceed it, and neither do the prefill step's padded rows x tokens
+(`Scheduler._fit_chunk`), so a burst of short prompts is admitted in a few steps while the set of
+compiled step shapes stays bounded (rows and tokens are powers of two: `runner.row_bucket`,
+`runner.token_bucket`; several rows only of GRANULE-token chunks). Prefill chunks start at
+multiples of GRANULE (a chunk is a multiple of it except a prompt's last), so compression groups
+and candidate blocks cross chunk boundaries only through the cache. When a decode needs a page
+and none is free, the most recently admitted running request is preempted: its slot and pages
+are freed and it goes back to the front of the queue, to be recomputed from its tokens (prompt +
+output so far).
 """
 
 from __future__ import annotations
@@ -19,12 +24,20 @@ import numpy as np
 
 from deepinfer.serve.engine.cache import CacheManager
 from deepinfer.serve.engine.request import Request, Status
+from deepinfer.serve.engine.runner import row_bucket, token_bucket
+
+GRANULE = 128  # a prefill chunk that is not a prompt's last is a multiple of this
+# the longest chunk of a step of several prefill rows: one row takes up to `prefill_chunk` tokens,
+# several rows share the budget in GRANULE-token chunks. The tokens per step are the same, but the
+# step shapes are (rows, GRANULE) and (1, tokens) only: every shape is a program to compile and
+# keep (on XLA's CPU backend, ~600-900 memory maps each: `programs.py`)
+MULTI_ROW_TOKENS = GRANULE
 
 
 @dataclass
 class PrefillPass:
     """Prefill chunks that run in one runner step: `decoder` False for chunks wholly below their
-    sequence's replay floor (compact prefill: encoder only); `rows` per dp rank, a power of two."""
+    sequence's replay floor (compact prefill: encoder only); `rows` per dp rank (`row_bucket`)."""
 
     decoder: bool
     chunks: list[tuple[Request, int]]
@@ -41,7 +54,7 @@ def prefill_passes(prefill: list[tuple[Request, int]], cache: CacheManager) -> l
     for decoder, chunks in groups.items():
         if chunks:
             per_rank = np.bincount([cache.rank_of(r.slot) for r, _ in chunks]).max()
-            passes.append(PrefillPass(decoder, chunks, 1 << (int(per_rank) - 1).bit_length()))
+            passes.append(PrefillPass(decoder, chunks, row_bucket(int(per_rank), cache.layout.slots_per_rank)))
     return passes
 
 
@@ -54,12 +67,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, *, prefill_chunk: int = 512, prefill_rows: int = 1):
-        if prefill_chunk % 128:
-            raise ValueError(f"prefill_chunk must be a multiple of 128, got {prefill_chunk}")
+    def __init__(self, cache: CacheManager, *, prefill_chunk: int = 512, max_num_batched_tokens: int = 2048):
+        if prefill_chunk % GRANULE:
+            raise ValueError(f"prefill_chunk must be a multiple of {GRANULE}, got {prefill_chunk}")
+        check_token_budget(max_num_batched_tokens, cache.layout.slots_per_rank)
         self.cache = cache
         self.prefill_chunk = prefill_chunk
-        self.prefill_rows = prefill_rows
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -122,22 +136,41 @@ class Scheduler:
             request.status = Status.RUNNING
             self.running.append(request)
             plan.admitted.append(request)
-        # prefill chunks of running requests that have more than one token to feed, at most
-        # `prefill_rows` per data-parallel rank
-        rows = [0] * self.cache.layout.dp
+        # prefill chunks of running requests that have more than one token to feed, under each
+        # dp rank's token budget (what its decodes left)
+        used = [0] * self.cache.layout.dp
+        chunks: list[list[int]] = [[] for _ in range(self.cache.layout.dp)]  # chunk lengths per rank
+        for request in plan.decode:
+            used[self.cache.rank_of(request.slot)] += 1
         for request in sorted(self.running, key=lambda r: r.arrival_order):
-            rank = self.cache.rank_of(request.slot)
-            if request.to_feed <= 1 or rows[rank] >= self.prefill_rows:
+            if request.to_feed <= 1:
                 continue
-            chunk = min(request.to_feed, self.prefill_chunk)
-            if not self.cache.can_allocate(request.computed + chunk, request.slot):
+            rank = self.cache.rank_of(request.slot)
+            chunk = self._fit_chunk(request, chunks[rank], self.max_num_batched_tokens - used[rank])
+            if not chunk or not self.cache.can_allocate(request.computed + chunk, request.slot):
                 continue
             self.cache.ensure(request.slot, request.computed + chunk)
             plan.prefill.append((request, chunk))
-            rows[rank] += 1
+            chunks[rank].append(chunk)
+            used[rank] += chunk
         if not plan.prefill and not plan.decode:
             self._unblock_prefill(plan)
         return plan
+
+    def _fit_chunk(self, request: Request, chunks: list[int], room: int) -> int:
+        """The longest next chunk of `request` (0: none) that fits beside `chunks` (this step's
+        other chunks on its rank): at most `room` tokens, and the step's padded rows x tokens
+        within the budget. Cut short, a chunk stays a multiple of GRANULE."""
+        widest = widest_tokens(row_bucket(len(chunks) + 1, self.cache.layout.slots_per_rank),
+                               self.max_num_batched_tokens)
+        if not widest or (chunks and token_bucket(max(chunks)) > widest):
+            return 0
+        chunk = min(request.to_feed, self.prefill_chunk, room)
+        if chunk < request.to_feed:
+            chunk -= chunk % GRANULE
+        if token_bucket(chunk) > widest:
+            chunk = widest  # a bucket: a multiple of GRANULE
+        return max(chunk, 0)
 
     def _unblock_prefill(self, plan: StepPlan) -> None:
         """Nothing can run: every running request is mid-prefill and waits for pages the others
@@ -145,7 +178,7 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.arrival_order):
             if request.to_feed <= 1:
                 continue
-            chunk = min(request.to_feed, self.prefill_chunk)
+            chunk = self._fit_chunk(request, [], self.max_num_batched_tokens)
             while not self.cache.can_allocate(request.computed + chunk, request.slot):
                 if not self._preempt(plan, keep=request):
                     return
@@ -156,3 +189,27 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+
+def widest_bucket(tokens: int) -> int:
+    """The longest token bucket (GRANULE x a power of two) of at most `tokens` tokens; 0: none."""
+    if tokens < GRANULE:
+        return 0
+    return GRANULE << ((tokens // GRANULE).bit_length() - 1)
+
+
+def widest_tokens(rows: int, max_num_batched_tokens: int) -> int:
+    """The longest token bucket of a prefill step of `rows` rows per rank under the budget (0:
+    none): several rows run GRANULE-token chunks at most."""
+    widest = widest_bucket(max_num_batched_tokens // rows)
+    return widest if rows == 1 else min(widest, MULTI_ROW_TOKENS)
+
+
+def check_token_budget(max_num_batched_tokens: int, slots_per_rank: int) -> None:
+    """A budget that always leaves one GRANULE-token prefill chunk room beside the decodes of
+    every other slot of a dp rank (else a waiting prompt could wait for decodes to finish)."""
+    need = GRANULE + slots_per_rank - 1
+    if max_num_batched_tokens < need:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must leave room for a {GRANULE}-token "
+                         f"prefill chunk beside the decodes of the other {slots_per_rank - 1} sequences of a "
+                         f"data-parallel rank: at least {need}")

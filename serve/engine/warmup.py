@@ -1,8 +1,9 @@
 """Compile, before an engine serves, every step shape a request can ask it for.
 
 The runner pads each step to a shape bucket (`runner.py`): prefill chunks are rows x tokens x
-page-count buckets, with or without the decoder layers (compact prefill runs chunks wholly below
-a prompt's replay floor encoder-only); decode runs all slots x 1 token x a page-count bucket. A
+page-count buckets (rows x tokens within the engine's `max_num_batched_tokens`, several rows only
+of GRANULE-token chunks: `scheduler.py`), with or without the decoder layers (compact prefill
+runs chunks wholly below a prompt's replay floor encoder-only); decode runs all slots x 1 token x a page-count bucket. A
 step with the decoder samples on the device, every kind of sampling in one program (a request
 asking for logprobs compiles a second one on first use). The first request that needs a new
 bucket waits for its compilation (tens of seconds for a real model), which looks like a hang;
@@ -31,8 +32,9 @@ from typing import Callable
 import numpy as np
 
 from deepinfer.serve.engine import sampling_state
-from deepinfer.serve.engine.runner import ChunkWork, StepSampling, step_key, token_bucket
+from deepinfer.serve.engine.runner import ChunkWork, StepSampling, row_bucket, step_key, token_bucket
 from deepinfer.serve.engine.sampler import Sampler
+from deepinfer.serve.engine.scheduler import GRANULE, widest_tokens
 from deepinfer.serve.engine.types import MAX_LOGPROBS
 
 __all__ = ["StepShape", "WarmupReport", "pending_shapes", "step_shapes", "warm_up"]
@@ -72,16 +74,13 @@ def _page_buckets(max_pages: int) -> list[int]:
     return sorted({min(max_pages, token_bucket(n, minimum=1)) for n in range(1, max_pages + 1)})
 
 
-def _powers_up_to(n: int) -> list[int]:
-    return sorted({1 << (k - 1).bit_length() for k in range(1, n + 1)})
-
-
 def _chunk_ends(tokens: int, chunk: int, limit: int) -> list[tuple[int, int]]:
     """Where a prefill chunk of token bucket `tokens` can end: chunks start at multiples of
-    `chunk` (the prefill chunk size) and hold (tokens/2, tokens] tokens (1..128 for the first
-    bucket), ending at or before `limit`. Intervals [first, last]."""
+    GRANULE (a chunk cut short by the token budget, or one of several rows, is a multiple of it),
+    hold (tokens/2, tokens] tokens (1..128 for the first bucket), at most `chunk` (the prefill
+    chunk size), and end at or before `limit`. Intervals [first, last]."""
     shortest, longest = (1 if tokens == 128 else tokens // 2 + 1), min(tokens, chunk)
-    return [(start + shortest, min(start + longest, limit)) for start in range(0, limit, chunk)
+    return [(start + shortest, min(start + longest, limit)) for start in range(0, limit, GRANULE)
             if start + shortest <= limit]
 
 
@@ -105,14 +104,14 @@ def step_shapes(engine, max_len: int | None = None) -> list[StepShape]:
     low_end = {p: (0 if i == 0 else pages[i - 1] * ps) for i, p in enumerate(pages)}  # ends > this
     pages = [p for p in pages if low_end[p] < max_len]
     tokens = sorted({token_bucket(n) for n in range(1, chunk + 1)})
-    rows = _powers_up_to(min(ec.prefill_rows, layout.slots_per_rank))
+    rows = sorted({row_bucket(n, layout.slots_per_rank) for n in range(1, layout.slots_per_rank + 1)})
     decoders = (False, True) if ec.prefill_mode == "compact" else (True,)
     shapes = []
     for decoder in decoders:
         limit = max_len if decoder else max_len - ec.keep_tokens
         ends = {t: _chunk_ends(t, chunk, limit) for t in tokens}
-        for r in rows:
-            for t in tokens:
+        for r in rows:  # the token buckets the scheduler's budget allows r rows
+            for t in [t for t in tokens if t <= widest_tokens(r, ec.max_num_batched_tokens)]:
                 for p in pages:
                     low, high = low_end[p], min(p * ps, limit)
                     if r == 1:  # the one chunk ends in the page bucket

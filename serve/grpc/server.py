@@ -547,7 +547,7 @@ class GrpcServer:
             layout = engine.cache.layout
             args["engine"] = {"num_slots": layout.num_slots, "max_model_len": layout.max_len,
                               "page_size": layout.page_size, "num_pages": layout.num_pages,
-                              "prefill_chunk": ec.prefill_chunk, "prefill_rows": ec.prefill_rows,
+                              "prefill_chunk": ec.prefill_chunk, "max_num_batched_tokens": ec.max_num_batched_tokens,
                               "prefill_mode": ec.prefill_mode, "keep_tokens": ec.keep_tokens, "seed": ec.seed,
                               "model_name": self._model_name(), "dtype": str(engine.config.dtype),
                               "fake_quant": bool(engine.config.fake_quant)}

@@ -96,8 +96,8 @@ def test_prefills_waiting_for_each_others_pages_preempt_instead_of_spinning(mode
     is preempted and recomputed later."""
     config, params, tokenizer = model
     budget = CacheBudget(num_slots=2, max_model_len=384, page_size=64, num_pages=6)
-    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=128, prefill_rows=2,
-                                                                   prefill_mode="full"))
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=128,
+                                                               max_num_batched_tokens=256, prefill_mode="full"))
     rng = np.random.default_rng(1)
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     for name in ("a", "b"):

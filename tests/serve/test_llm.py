@@ -115,13 +115,17 @@ def test_unknown_argument_and_bad_settings_name_the_field(cache_dir):
         LLM(cache_dir=cache_dir, keep_tokens=100)
     with pytest.raises(ValueError, match="prefill_chunk"):
         LLM(cache_dir=cache_dir, prefill_chunk=100)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(100\).*at least 135"):
+        LLM(cache_dir=cache_dir, max_num_batched_tokens=100)
 
 
 def test_prefill_settings_reach_the_engine(cache_dir):
     from deepinfer import LLM
 
-    other = LLM(cache_dir=cache_dir, **{**SMALL, "prefill_mode": "compact"}, keep_tokens=150)
+    other = LLM(cache_dir=cache_dir, **{**SMALL, "prefill_mode": "compact"}, keep_tokens=150,
+                max_num_batched_tokens=1024)
     assert other.engine.engine_config.prefill_mode == "compact"
+    assert other.engine.scheduler.max_num_batched_tokens == 1024
     assert other.engine.engine_config.keep_tokens == 150
 
 

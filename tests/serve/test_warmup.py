@@ -76,7 +76,7 @@ def engine_state(engine):
             engine.cache.page_table.tolist())
 
 
-@pytest.mark.parametrize(("engine_kw", "reach"), [(dict(prefill_chunk=256, prefill_rows=2), None),
+@pytest.mark.parametrize(("engine_kw", "reach"), [(dict(prefill_chunk=256, max_num_batched_tokens=512), None),
                                                   (dict(prefill_chunk=384, prefill_mode="full"), None),
                                                   (dict(prefill_chunk=128), 400)])
 def test_the_engine_only_uses_warmed_shapes(model, recorded, engine_kw, reach):
@@ -113,12 +113,11 @@ def test_the_engine_only_uses_warmed_shapes(model, recorded, engine_kw, reach):
     used_steps = set(recorded["step"])
     assert used_steps <= warmed_steps, sorted(used_steps - warmed_steps)
     # the mix is wide enough to mean something: several page buckets, prefill and decode, and
-    # (compact prefill) encoder-only chunks and two-row prefills
+    # (compact prefill) encoder-only chunks and multi-row prefills
     assert len({k[2] for k in used_steps}) >= 4 and {k[1] == 1 for k in used_steps} == {True, False}
     if engine.engine_config.prefill_mode == "compact":
         assert {k[4] for k in used_steps if k[1] > 1} == {True, False}
-    if engine.engine_config.prefill_rows > 1:
-        assert any(k[0] == 2 and k[1] > 1 for k in used_steps)
+    assert any(k[0] >= 2 and k[1] > 1 for k in used_steps)
 
 
 def test_warm_up_compiles_each_shape_once_and_never_under_a_running_request(model, recorded):
@@ -137,15 +136,16 @@ def test_warm_up_compiles_each_shape_once_and_never_under_a_running_request(mode
 
 
 def test_step_shapes_follow_the_layout(model):
-    shapes = step_shapes(make_engine(model, prefill_chunk=256, prefill_rows=2))
+    shapes = step_shapes(make_engine(model, prefill_chunk=256, max_num_batched_tokens=512))
     decode = [(s.rows, s.pages) for s in shapes if s.kind == "decode"]
     assert decode == [(4, 1), (4, 2), (4, 4), (4, 8), (4, 16)]
     prefill = {(s.rows, s.tokens, s.pages, s.decoder) for s in shapes if s.kind == "prefill"}
     assert (1, 256, 1, True) not in prefill  # a 129+ token chunk never ends in the first page
-    # chunks start at multiples of 256: one of at most 128 tokens ends in (0, 128] or past 256
-    assert not {(1, 128, 4, True), (2, 128, 4, True), (1, 128, 4, False)} & prefill
-    assert (2, 256, 4, True) in prefill and (1, 128, 8, True) in prefill
-    assert (1, 256, 4, True) in prefill and (2, 128, 16, True) in prefill
+    # within the token budget (512), several rows only of 128-token chunks
+    assert all(r * t <= 512 and (r == 1 or t == 128) for r, t, _, _ in prefill)
+    assert {r for r, _, _, _ in prefill} == {1, 2, 4}
+    assert (4, 128, 4, True) in prefill and (1, 128, 8, True) in prefill
+    assert (1, 256, 4, True) in prefill and (2, 128, 16, True) in prefill and (2, 256, 4, True) not in prefill
     assert (1, 128, 16, False) in prefill  # ends in (512, 1024], below the floor 1023 - 140
     assert {s.kind for s in shapes} == {"prefill", "decode"}  # sampling is part of the steps
 
@@ -172,7 +172,7 @@ def add_mix(engine, seed: int, count: int, limit: int, *, stop_early: bool = Fal
 
 @pytest.mark.parametrize(("engine_kw", "count", "budget"), [
     (dict(), 3, BUDGET),
-    (dict(prefill_chunk=256, prefill_rows=2), 9, BUDGET),  # more requests than slots: a queue
+    (dict(prefill_chunk=256, max_num_batched_tokens=512), 9, BUDGET),  # more requests than slots: a queue
     (dict(prefill_chunk=128, prefill_mode="full"), 6, BUDGET),
     (dict(prefill_chunk=256), 6, dataclasses.replace(BUDGET, num_pages=16)),  # preemptions
 ])

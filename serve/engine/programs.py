@@ -1,0 +1,94 @@
+"""The compiled engine-step programs of one engine configuration, shared by the engines that use
+it and released when none does.
+
+XLA's CPU backend compiles each kernel of a program into its own object and maps three memory
+regions per kernel: an engine-step program of tiny-v4.1 holds ~600-900 maps, so a process reaches
+the kernel's `vm.max_map_count` (65,530 by default) at ~75-100 live step programs, and the next
+compilation dies inside XLA ("LLVM compilation error: Cannot allocate memory", then a segfault).
+A module-level `jax.jit` keeps every program it ever compiled, for every engine configuration a
+process ever built, long after the engines are gone. Here each (config, layout, kernels) family
+gets its own jitted functions, both kinds of step the runner runs: `forward` (the model step,
+logits out: encoder-only prefill chunks, all-logits steps) and `sample` (the model step and the
+sampler on the device: `device_step.py`). Runners hold their family; a family no runner holds
+is kept for the next engine of the same configuration only while the process holds less than
+half of `vm.max_map_count`; dropping the jitted functions frees their executables and maps.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from functools import partial
+
+import jax
+
+from deepinfer.model.config import ModelConfig
+from deepinfer.model.kv_cache import CacheLayout
+from deepinfer.model.step import step_body
+from deepinfer.pallas_kernels.registry import KernelConfig
+from deepinfer.serve.engine.device_step import step_and_sample
+from deepinfer.serve.engine.sampler import Sampler
+
+__all__ = ["StepPrograms", "engine_step", "forward_step", "memory_maps", "release_unused", "step_programs"]
+
+
+class StepPrograms:
+    """The jitted steps of one family: `forward(params, cache, batch, all_logits=, decoder=)`
+    (cache donated) and `sample(params, cache, state, batch, rows, head=)` (cache and sampling
+    state donated)."""
+
+    def __init__(self, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None):
+        self.key = (config, layout, kernels)
+        bound = dict(config=config, layout=layout, kernels=kernels)
+        self.forward = jax.jit(partial(step_body, **bound), static_argnames=("all_logits", "decoder"),
+                               donate_argnums=(1,))
+        self.sample = jax.jit(partial(step_and_sample, **bound), static_argnames=("head",), donate_argnums=(1, 2))
+
+
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # families some runner holds
+_kept: OrderedDict = OrderedDict()  # recently used families, oldest first
+
+
+def memory_maps() -> tuple[int, int]:
+    """(memory maps this process holds, the kernel's per-process limit) on Linux, else (0, 1)."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 1
+
+
+def release_unused() -> None:
+    """Forget the least recently used families while the process holds more than half of
+    `vm.max_map_count`; those no runner holds are freed with their executables."""
+    count, limit = memory_maps()
+    while _kept and count > limit // 2:
+        _kept.popitem(last=False)
+        count, limit = memory_maps()
+
+
+def step_programs(config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None) -> StepPrograms:
+    """The family of (config, layout, kernels): the one a live runner holds, a kept one, or new."""
+    key = (config, layout, kernels)
+    family = _live.get(key) or _kept.get(key)
+    if family is None:
+        release_unused()
+        family = StepPrograms(config, layout, kernels)
+        _live[key] = family
+    _kept.pop(key, None)
+    _kept[key] = family
+    return family
+
+
+def forward_step(params, config: ModelConfig, layout: CacheLayout, cache, batch, *, all_logits: bool = False,
+                 decoder: bool = True, kernels: KernelConfig | None = None):
+    """`model.step.forward_step` (returns cache, logits, expert counts) compiled in its family."""
+    return step_programs(config, layout, kernels).forward(params, cache, batch, all_logits=all_logits,
+                                                          decoder=decoder)
+
+
+def engine_step(params, cache, state, batch, rows, *, config: ModelConfig, layout: CacheLayout,
+                kernels: KernelConfig | None = None, head: Sampler = Sampler()):
+    """`device_step.step_and_sample` (returns cache, state, samples, expert counts) compiled in
+    its family."""
+    return step_programs(config, layout, kernels).sample(params, cache, state, batch, rows, head=head)
