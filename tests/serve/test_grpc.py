@@ -688,7 +688,7 @@ def test_duplicate_request_id_is_refused(server, stub):
     wait_released(server)
 
 
-WARM_BUDGET = CacheBudget(num_slots=2, max_model_len=128, page_size=64)  # 2 page buckets: 4 shapes
+WARM_BUDGET = CacheBudget(num_slots=2, max_model_len=128, page_size=64)  # 2 page buckets x (1, 2 prefill rows; decode)
 
 
 @pytest.mark.slow
@@ -724,13 +724,13 @@ def test_warmup_compiles_before_serving(model):
             while info.warmup_shapes_total == 0:  # the driver is still building the engine's limits
                 assert time.monotonic() < deadline
                 info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
-            assert not info.warmup_complete and (info.warmup_shapes_done, info.warmup_shapes_total) == (0, 4)
+            assert not info.warmup_complete and (info.warmup_shapes_done, info.warmup_shapes_total) == (0, 6)
             assert health_status(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
             proceed.set()
             assert srv.wait_ready(600), srv.server.load_error
             del engine.runner.run
             info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
-            assert info.warmup_complete and info.warmup_shapes_done == info.warmup_shapes_total == 4
+            assert info.warmup_complete and info.warmup_shapes_done == info.warmup_shapes_total == 6
             assert (info.free_pages, info.free_slots) == (info.total_pages, info.total_slots)
             assert engine.stats["steps"] == 0 and srv.server.metrics.snapshot()["vllm:prompt_tokens"] == 0
             compiles.clear()
