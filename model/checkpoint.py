@@ -31,7 +31,7 @@ import numpy as np
 from deepinfer.ops import quant
 from deepinfer.model.config import ModelConfig, load_config, to_hf_config
 from deepinfer.model.params import (
-    BF16, F32, FP4, FP8, FP8_ROWS, I64, ParamSpec, QuantWeight, abstract_params, build_tree, dense_dtype, param_specs,
+    F32, FP4, FP8, FP8_ROWS, I64, ParamSpec, QuantWeight, abstract_params, build_tree, dense_dtype, param_specs,
     quant_block, quant_shapes, tree_get,
 )
 from deepinfer.model.manifest import manifest_problems, write_manifest

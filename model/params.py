@@ -13,7 +13,6 @@ scales per 32), dequantized at use.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator
 

@@ -380,23 +380,20 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
 
+    def _since_arrival(self, t: float | None) -> float | None:
+        return None if t is None else t - self.arrival_time
+
     @property
     def time_in_queue(self) -> float | None:
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
+        return self._since_arrival(self.first_scheduled_time)
 
     @property
     def time_to_first_token(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
+        return self._since_arrival(self.first_token_time)
 
     @property
     def e2e_latency(self) -> float | None:
-        if self.finished_time is None:
-            return None
-        return self.finished_time - self.arrival_time
+        return self._since_arrival(self.finished_time)
 
 
 @dataclass
