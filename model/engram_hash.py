@@ -364,6 +364,21 @@ class EngramHasher:
         ext = np.concatenate([hist, self.compress(ids, dead_mask)], axis=1)
         return self._hash_extended(ext)
 
+    def pending_folds(self, history: np.ndarray | Sequence[int] | None) -> np.ndarray:
+        """What the device needs to hash a token it has not told the host yet (asynchronous
+        scheduling): the XOR fold of the look-back's products, `K_j = XOR_{s=1..j} c_s * m_s`
+        for j = 1..N-1, as uint32 `[n_layers, N - 1, 2]` (high word, low word). The token's own
+        product `c_0 * m_0` XOR `K_j`, reduced modulo the primes, gives its rows
+        (`engram_hash_device.hash_pending`). `history` as for `hash_ids` (compressed ids,
+        DEAD = -1 before the sequence start); the pending token itself is never DEAD."""
+        hist = self._history_row(history)[::-1]  # shift 1 first
+        blocked = np.cumsum(hist == DEAD) > 0  # sticky: a blocked shift blocks every longer one
+        shifted = np.where(blocked, self.pad_id, hist)
+        folds = np.bitwise_xor.accumulate(shifted[None, :] * self.multipliers[:, 1:], axis=-1)  # [L, N-1]
+        words = folds.astype(np.uint64)
+        return np.stack([(words >> np.uint64(32)).astype(np.uint32), (words & np.uint64(0xFFFFFFFF)).astype(np.uint32)],
+                        axis=-1)
+
     def lookback(
         self,
         token_ids: np.ndarray,

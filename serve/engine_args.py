@@ -149,6 +149,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "num_pages": args.num_pages, "fake_quant": not args.no_fake_quant,
         "dtype": args.dtype,
         "prefill_mode": mode, "keep_tokens": keep, "seed": args.seed if args.seed is not None else 0,
+        "async_scheduling": not args.no_async_scheduling,
         "accelerator": accelerator_name(args), "compilation_cache": compilation_cache_dir(args),
     }
     if args.tokenizer is not None:
@@ -193,6 +194,9 @@ def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
     p.add_argument("--keep-tokens", type=int, default=None, metavar="N",
                    help=f"prompt rows kept for the decoder layers in compact mode, at least the sliding "
                         f"window (default: ${ENV_KEEP_TOKENS}, else {DEFAULT_KEEP_TOKENS})")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="run one engine step at a time instead of planning and dispatching each step while "
+                        "the device runs the previous one")
     add_compilation_cache_options(p, env)
     p.add_argument("--mesh", default=env.mesh, metavar="SPEC",
                    help="run on a device mesh, e.g. dp=2,cp=2,tp=1 (axes dp, cp, tp; the product is the "

@@ -193,6 +193,8 @@ class MeshStep:
         ep, seq = (self.ep_cp, ZigzagShards(self.cp)) if split else (self.ep, None)
 
         def body(params, cache, batch, *extra):
+            if head is not None:  # placeholder tokens from the rank's own slots' last samples
+                batch = head.resolve(batch, *extra, config)
             cache, logits, counts = step_body(params, cache, batch, config=config, layout=layout,
                                               all_logits=all_logits, decoder=decoder, kernels=kernels, ep=ep,
                                               seq=seq)

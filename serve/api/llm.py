@@ -79,7 +79,7 @@ _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
     "prefill_chunk", "max_num_batched_tokens", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
     "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context", "accelerator",
-    "compilation_cache", "warmup",
+    "compilation_cache", "warmup", "async_scheduling",
 )
 
 
@@ -262,6 +262,9 @@ class LLM:
         prefill_mode, keep_tokens: YOCO prefill truncation (`model-v4.1-flash.md` §4.3):
             "compact" runs the decoder layers only on each prompt's last `keep_tokens` rows
             (at least the sliding window), "full" on every row.
+        async_scheduling: plan and dispatch each engine step before reading the previous step's
+            tokens, so the host's work overlaps the device's (stop rules then see a token one
+            step late; the extra token is dropped). False: one step at a time.
         log_stats_interval: seconds between the periodic stats log lines (None: never).
         cache_dir: where the embedded default checkpoint is written / read.
         mesh: run on many devices: a `jax.sharding.Mesh` with axes ("dp", "cp", "tp"), a spec
@@ -317,6 +320,7 @@ class LLM:
         accelerator: str = "auto",
         compilation_cache: str | os.PathLike | bool | None = True,
         warmup: bool = True,
+        async_scheduling: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -388,7 +392,8 @@ class LLM:
                                      max_num_batched_tokens=max_num_batched_tokens,
                                      prefill_mode=prefill_mode, keep_tokens=keep_tokens,
                                      eplb_interval=eplb_interval, eplb_slots=eplb_slots,
-                                     drafter_context=drafter_context, kernels=self.accelerator.kernel_config())
+                                     drafter_context=drafter_context, kernels=self.accelerator.kernel_config(),
+                                     async_scheduling=bool(async_scheduling))
         self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config, mesh=self.mesh)
         self.log_stats_interval = log_stats_interval
         self.warmup = warmup

@@ -1,4 +1,5 @@
-"""One engine step on one device as one program: the model step, then the sampler on each
+"""One engine step on one device as one program: placeholder tokens resolved (`placeholders.py`),
+the model step, then the sampler on each
 row's last-token logits, so only the sampled tokens (and log-probabilities, when a row asked)
 come back to the host, never the `[rows, vocab]` logits.
 
@@ -27,6 +28,7 @@ def step_and_sample(params: dict, cache: KVCache, state: SamplingState, batch: S
                     head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, SampleOutput, jax.Array]:
     """Returns the updated cache and sampling state, the rows' `SampleOutput` and the int32
     `[layers, experts]` routed-token counts (EPLB)."""
+    batch = head.resolve(batch, state, rows, config)
     cache, logits, counts = step_body(params, cache, batch, config=config, layout=layout, kernels=kernels)
     state, out = head(jax.lax.optimization_barrier(logits), state, batch.slots, rows)
     return cache, state, out, counts

@@ -9,6 +9,17 @@ device work is the runner's and the sampler's.
 
 A request without a seed gets one drawn from the engine's seed (`EngineConfig.seed`) when it is
 added: sampling is counter-based (seed, position), so every request's tokens are reproducible.
+
+Asynchronous scheduling (on by default, `EngineConfig.async_scheduling`): a step plans and
+dispatches its device work on top of the previous step, whose sampled tokens the host has not
+read yet, and only then reads them, while the device runs the new step. A decode row's input
+token that the host does not know is a placeholder the device fills in from its slot's last
+sample (`placeholders.py`). Stop rules therefore see a token one step late: a request that a
+stop string, a stop id or EOS ends has been given one more step, whose token is dropped (never
+emitted nor counted). Limits the host can count (`max_tokens`, the context) release the slot
+when the last token is dispatched, as the synchronous engine would after reading it. The device
+runs the steps in the order they were dispatched (each takes the cache the previous returned),
+so a page or slot freed while a step that writes it is in flight is only reused after it.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.cache import AdmissionError, CacheBudget, CacheManager, make_layout
 from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.request import Request, Status
-from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, StepSampling, token_bucket
+from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples, StepSampling, token_bucket
 from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.scheduler import GRANULE, Scheduler, prefill_passes
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
@@ -68,6 +79,8 @@ class EngineConfig:
     # token ids held back until min_tokens (plus EOS)
     max_logit_bias: int = 128
     max_stop_token_ids: int = 32
+    # plan and dispatch each step before reading the previous step's tokens (module docstring)
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.prefill_mode not in PREFILL_MODES:
@@ -117,6 +130,8 @@ class LLMEngine:
         self._seeds = np.random.default_rng(engine_config.seed)  # of requests without one
         self._sampling_slots: set[int] = set()  # slots whose sampling state a request wrote
         self._step_count = 0
+        self._in_flight: list[_Sampled] = []  # the dispatched step's sampled rows, not read yet
+        self._ready: list[RequestOutput] = []  # finished by `sync()`, returned by the next step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.warmed_shapes: set = set()  # step shapes `serve.engine.warmup.warm_up` compiled
 
@@ -164,6 +179,7 @@ class LLMEngine:
         if not self.cache.layout.draft_rings:
             raise ValueError("this engine keeps no drafter context: the checkpoint has no DSpark drafter "
                              "(mtp.*) or drafter_context is off")
+        self.sync()
         rows = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -176,10 +192,21 @@ class LLMEngine:
         return {r.request_id: {k: out[k][i] for k in ("tokens", "logits", "confidence")} for i, r in enumerate(rows)}
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        """Requests wait, run, or have a token in flight (a step in flight whose requests all
+        ended only has tokens to drop: the next step does)."""
+        return self.scheduler.has_work or bool(self._ready) or any(not s.request.finished for s in self._in_flight)
+
+    def sync(self) -> None:
+        """Read the step in flight now (asynchronous scheduling): every request's tokens are then
+        on the host. The outputs of the requests it finishes come with the next `step()`."""
+        if self._in_flight:
+            rows, self._in_flight = self._in_flight, []
+            self._ready += self._complete(self._settle(rows))
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch a step; read the tokens of the step before it (asynchronous
+        scheduling) or of this one. Returns the requests that finished."""
         plan = self.scheduler.schedule()
         now = time.time()
         for request in plan.admitted:
@@ -191,8 +218,27 @@ class LLMEngine:
             if request.slot is not None:  # (not preempted again while this step was planned)
                 self.runner.write_sampling(request.slot, self._slot_row(request))
                 self._sampling_slots.add(request.slot)
-        finished: list[Request] = []
-        to_sample: list[tuple[Request, SampleOutput]] = []
+        sampled = self._dispatch(plan)
+        if self.engine_config.async_scheduling:
+            to_read, self._in_flight = self._in_flight, sampled
+        else:
+            to_read = sampled
+        finished = self._settle(to_read)
+        self._finish_stuck(plan, finished)
+        self._check_progress(plan, finished, read=bool(to_read))
+        self._step_count += 1
+        if self.balancer is not None and self.balancer.due(self._step_count):
+            layout = self.balancer.update(self.runner.read_counts())
+            if layout is not None:
+                self.runner.apply_expert_layout(*layout, self.balancer.max_replicas)
+        self.stats["steps"] += 1
+        outputs, self._ready = self._ready + self._complete(finished), []
+        return outputs
+
+    def _dispatch(self, plan) -> list[_Sampled]:
+        """Run the plan's prefill chunks and decodes on the device without waiting for them;
+        returns the rows that sampled a token (pending in their request until read)."""
+        sampled: list[_Sampled] = []
         for step in prefill_passes(plan.prefill, self.cache):
             decoder, group = step.decoder, step.chunks
             work = [ChunkWork(r.slot, r.ids(r.computed, r.computed + n), r.computed, self._lookback(r, r.computed),
@@ -200,30 +246,36 @@ class LLMEngine:
             emit = [r.computed + n == r.length for r, n in group]
             sample = self._step_sampling([r for (r, _), e in zip(group, emit) if e], emit) if decoder else None
             out = self.runner.run(work, self.cache.page_table, rows=step.rows, decoder=decoder,
-                                  tokens=token_bucket(max(len(w.tokens) for w in work)), sample=sample)
+                                  tokens=token_bucket(max(len(w.tokens) for w in work)), sample=sample, defer=True)
             for i, (request, n) in enumerate(group):
                 request.computed += n
                 self.stats["prompt_tokens"] += n
                 if request.to_feed == 0:
-                    to_sample.append((request, _row(out, i)))
+                    sampled.append(self._sampled(request, out, i))
         if plan.decode:
             work = [ChunkWork(r.slot, r.ids(r.length - 1, r.length), r.length - 1, self._lookback(r, r.length - 1),
                               r.floor) for r in plan.decode]
             out = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.slots_per_rank, tokens=1,
-                                  sample=self._step_sampling(plan.decode, [True] * len(work)))
+                                  sample=self._step_sampling(plan.decode, [True] * len(work)), defer=True)
             for i, request in enumerate(plan.decode):
                 request.computed += 1
-                to_sample.append((request, _row(out, i)))
-        if to_sample:
-            self._accept_samples(to_sample, finished)
-        self._finish_stuck(plan, finished)
-        self._check_progress(plan, finished)
-        self._step_count += 1
-        if self.balancer is not None and self.balancer.due(self._step_count):
-            layout = self.balancer.update(self.runner.expert_load)
-            if layout is not None:
-                self.runner.apply_expert_layout(*layout, self.balancer.max_replicas)
-        self.stats["steps"] += 1
+                sampled.append(self._sampled(request, out, i))
+        return sampled
+
+    def _sampled(self, request: Request, out: PendingSamples, row: int) -> _Sampled:
+        """Row `row` of `out` is `request`'s next token. When the host can count that it is the
+        last (max_tokens, the context), the request takes no further step: its slot and pages
+        are released now, as the synchronous engine does once it has read the token."""
+        request.pending += 1
+        limit = request.params.max_tokens
+        if (limit is not None and len(request.output_ids) + request.pending >= limit) \
+                or request.length >= self.cache.layout.max_len:
+            request.closing = "length"
+            self.scheduler.finish(request)
+        return _Sampled(request, out, row)
+
+    def _complete(self, finished: list[Request]) -> list[RequestOutput]:
+        """Outputs of the finished requests, whose slots and pages are released."""
         outputs = []
         for request in finished:
             self.scheduler.finish(request)
@@ -253,14 +305,15 @@ class LLMEngine:
         row, whatever the context."""
         return request.ids(start - self.runner.lookback, start)
 
-    def _check_progress(self, plan, finished: list[Request]) -> None:
-        """Refuse to spin: a step that computed no token, finished and preempted no request
-        leaves the engine as it was, so the next step would do the same forever."""
+    def _check_progress(self, plan, finished: list[Request], read: bool) -> None:
+        """Refuse to spin: a step that computed no token, read none, finished and preempted no
+        request leaves the engine as it was, so the next step would do the same forever."""
         broken = [r for r in self.scheduler.running if not 0 <= r.computed <= r.length]
         if broken:
             raise EngineStalledError("engine invariant broken: " + ", ".join(
                 f"request {r.request_id!r} has {r.computed} tokens computed of {r.length}" for r in broken))
-        if plan.prefill or plan.decode or plan.admitted or plan.preempted or finished or not self.scheduler.has_work:
+        if plan.prefill or plan.decode or plan.admitted or plan.preempted or finished or read \
+                or not self.scheduler.has_work:
             return
         state = [f"{r.request_id!r} (running, {r.computed}/{r.length} tokens computed)" for r in self.scheduler.running]
         state += [f"{r.request_id!r} (waiting, {r.length} tokens)" for r in self.scheduler.waiting]
@@ -293,10 +346,19 @@ class LLMEngine:
         wants = any(r.params.logprobs is not None for r in emitting)
         return StepSampling(emit, MAX_LOGPROBS if wants else None)
 
-    def _accept_samples(self, rows: list[tuple[Request, SampleOutput]], finished: list[Request]) -> None:
-        """Append each request's sampled token (and its logprobs), then apply the stop rules."""
-        now = time.time()
-        for request, out in rows:
+    def _settle(self, rows: list[_Sampled]) -> list[Request]:
+        """Read the sampled rows of a dispatched step (waiting for the device if need be), append
+        each request's token (and its logprobs) and apply the stop rules; a request that ended
+        (or was aborted) since the step was dispatched drops its token. Returns the requests
+        that finished."""
+        finished: list[Request] = []
+        for sampled in rows:
+            request = sampled.request
+            if request.finished:
+                continue
+            out = _row(sampled.samples.fetch(), sampled.row)
+            now = time.time()
+            request.pending -= 1
             token = int(out.tokens)
             request.output_ids.append(token)
             self.stats["generation_tokens"] += 1
@@ -313,6 +375,11 @@ class LLMEngine:
             if self._check_stop(request, token):
                 request.status = Status.FINISHED
                 finished.append(request)
+            elif request.closing and not request.pending:  # (the limits are counted alike: a safeguard)
+                request.finish_reason, request.status = request.closing, Status.FINISHED
+                self._flush_text(request)
+                finished.append(request)
+        return finished
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -346,6 +413,15 @@ class LLMEngine:
             self._flush_text(request)
             return True
         return False
+
+
+@dataclass
+class _Sampled:
+    """A row of a dispatched step that sampled `request`'s next token."""
+
+    request: Request
+    samples: PendingSamples
+    row: int
 
 
 def _row(out: SampleOutput, i: int) -> SampleOutput:

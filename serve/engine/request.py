@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.types import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SamplingParams
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
@@ -32,7 +33,13 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None
-    computed: int = 0  # tokens of all_ids whose KV is in the cache
+    computed: int = 0  # tokens of the sequence whose KV is in the cache
+    # tokens sampled by steps whose results the host has not read yet (asynchronous scheduling):
+    # they count in `length` and appear as PLACEHOLDER in `ids` until `output_ids` gets them
+    pending: int = 0
+    # its last token is pending and it will take no more steps: its slot and pages are released,
+    # the token read, stop rules applied, else it ends with this finish reason ("length")
+    closing: str | None = None
     floor: int = 0  # decoder replay start (compact prefill); set when the prefill starts
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
@@ -49,16 +56,21 @@ class Request:
         return self.prompt_token_ids + self.output_ids
 
     def ids(self, start: int, end: int) -> np.ndarray:
-        """int32 token ids at positions `[start, end)` of prompt + output (clipped to the
-        sequence), read from the two lists without joining them: O(end - start)."""
-        n = len(self.prompt_token_ids)
+        """int32 token ids at positions `[start, end)` of prompt + output + pending (clipped to
+        the sequence), read from the two lists without joining them: O(end - start)."""
+        n, known = len(self.prompt_token_ids), self.known
         start, end = max(0, start), min(end, self.length)
-        out = self.prompt_token_ids[start:min(end, n)] + self.output_ids[max(start - n, 0):max(end - n, 0)]
-        return np.asarray(out, np.int32)
+        out = self.prompt_token_ids[start:min(end, n)] + self.output_ids[max(start - n, 0):max(min(end, known) - n, 0)]
+        return np.asarray(out + [PLACEHOLDER] * (end - max(start, known)) if end > known else out, np.int32)
+
+    @property
+    def known(self) -> int:
+        """Tokens the host has: prompt + read output."""
+        return len(self.prompt_token_ids) + len(self.output_ids)
 
     @property
     def length(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_ids)
+        return self.known + self.pending
 
     @property
     def to_feed(self) -> int:

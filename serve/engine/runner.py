@@ -25,11 +25,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import draft_from_cache, has_drafter
+from deepinfer.model.engram_hash import hasher_for
 from deepinfer.model.forward import engram_hash_ids
 from deepinfer.model.kv_cache import CacheLayout, init_cache, padded_slot_ids, reset_slots
 from deepinfer.model.step import StepBatch
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine import sampling_state
+from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
 
@@ -47,6 +49,27 @@ class ChunkWork:
     # (`ModelRunner.lookback`) are read, and callers pass just those (O(1) per decode row)
     history: np.ndarray
     floor: int = 0  # decoder replay start of the sequence (compact prefill); 0 = full fidelity
+
+
+class PendingSamples:
+    """A sampling step's outputs while the device may still be computing them: the host copy
+    starts as soon as they exist (non-blocking), `fetch()` waits for it (once) and returns the
+    rows in the work's order, adding the step's routed-token counts to the runner's
+    `expert_load`. Asynchronous scheduling fetches a step after dispatching the next one."""
+
+    def __init__(self, runner: ModelRunner, out: SampleOutput, counts, row_of: list[int]):
+        self._runner, self._out, self._counts, self._row_of = runner, out, counts, row_of
+        self._rows: SampleOutput | None = None
+        for leaf in jax.tree.leaves((out, counts)):
+            leaf.copy_to_host_async()
+
+    def fetch(self) -> SampleOutput:
+        if self._rows is None:
+            out, counts = jax.device_get((self._out, self._counts))  # one transfer: tokens, no logits
+            self._runner.expert_load += counts
+            self._rows = jax.tree.map(lambda a: a[self._row_of], out)
+            self._out = self._counts = None
+        return self._rows
 
 
 @dataclass(frozen=True)
@@ -146,6 +169,7 @@ class ModelRunner:
                 self.sampling = _placed_like_params(make_state(), params)
             self._write_slot, self._clear_slots = sampling_state.write_slot, sampling_state.clear_slots
         self.expert_load = np.zeros((config.num_hidden_layers, config.n_routed_experts), np.int64)
+        self._unread_counts: list = []  # of deferred encoder-only passes (`read_counts`)
         self._compiled: set = set()
         self.compile_seconds: dict[tuple, float] = {}
 
@@ -177,30 +201,44 @@ class ModelRunner:
         """Tokens before a chunk that its Engram hashes read (N-1 of the n-grams; 0 without Engram)."""
         return self.config.engram_max_ngram_size - 1 if self.config.engram_layer_ids else 0
 
-    def _hash_ids(self, work: list[ChunkWork], T: int) -> np.ndarray | None:
+    def _hash_ids(self, work: list[ChunkWork], T: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The rows' Engram hash ids `[len(work), T, ...]` and, for a decode step (T = 1), the
+        look-back folds `[len(work), ...]` that hash a placeholder token on the device
+        (`placeholders.py`; the hash ids of such a row are zeros)."""
         if not self.config.engram_layer_ids:
-            return None
+            return None, None
+        hasher = hasher_for(self.config)
         lookback = self.lookback
-        rows = []
+        rows, folds = [], []
         for w in work:
             # the n-grams ending in the chunk reach back `lookback` tokens; a shorter history is
             # the sequence start, where the hasher pads (sticky), as in the full forward
-            context = np.concatenate([w.history[max(0, len(w.history) - lookback):], w.tokens])
+            history = w.history[max(0, len(w.history) - lookback):]
+            if T == 1:
+                folds.append(hasher.pending_folds(hasher.compress(history)))
+            if len(w.tokens) and w.tokens[0] == PLACEHOLDER:
+                rows.append(np.zeros((T, hasher.n_layers, hasher.n_cols), np.int32))
+                continue
+            context = np.concatenate([history, w.tokens])
             ids = engram_hash_ids(self.config, context[None])[0][len(context) - len(w.tokens):]
             pad = np.zeros((T - len(w.tokens), *ids.shape[1:]), np.int32)
             rows.append(np.concatenate([ids, pad]))
-        return np.stack(rows)
+        return np.stack(rows), (np.stack(folds) if T == 1 else None)
 
     def run(self, work: list[ChunkWork], page_table: np.ndarray, *, rows: int, tokens: int,
-            all_logits: bool = False, decoder: bool = True,
-            sample: StepSampling | None = None) -> np.ndarray | SampleOutput | None:
+            all_logits: bool = False, decoder: bool = True, sample: StepSampling | None = None,
+            defer: bool = False) -> np.ndarray | SampleOutput | PendingSamples | None:
         """Run one step over `work` padded to `rows` rows PER dp RANK x `tokens`; returns fp32
         logits `[len(work), vocab]` at each row's last token (or `[len(work), tokens, vocab]`),
         in `work`'s order; None for a compact-prefill chunk below the replay floor
         (`decoder=False`). With `sample`, the step samples on the device instead and returns the
-        rows' `SampleOutput` (numpy, `work`'s order); the logits stay there."""
+        rows' `SampleOutput` (numpy, `work`'s order), or with `defer` the `PendingSamples` to
+        fetch them from later; the logits stay there. A decode row (`tokens` 1) of a sampling
+        step may have the PLACEHOLDER token: its slot's last sample, which the device fills in."""
         if sample is not None and (all_logits or not decoder or len(sample.emit) != len(work)):
             raise ValueError("a sampling step needs the decoder, last-token logits and one emit flag per work row")
+        if any(PLACEHOLDER in w.tokens for w in work) and (sample is None or tokens != 1):
+            raise ValueError("a placeholder token can only be a decode row's input in a sampling step")
         T, per_rank, dp = tokens, self.layout.slots_per_rank, self.layout.dp
         B = rows * dp
         longest = max(w.start + len(w.tokens) for w in work)
@@ -234,7 +272,7 @@ class ModelRunner:
         for rank in range(dp):
             spare = next((s for s in range(per_rank) if s not in used[rank]), 0)
             slots[rank * rows + filled[rank]:(rank + 1) * rows] = spare
-        hash_ids = self._hash_ids(work, T)
+        hash_ids, folds = self._hash_ids(work, T)
         if hash_ids is not None:
             full = np.zeros((B, *hash_ids.shape[1:]), np.int32)
             full[row_of] = hash_ids
@@ -245,7 +283,11 @@ class ModelRunner:
             head = Sampler(sample.num_logprobs)
             emit = np.zeros((B,), np.bool_)
             emit[row_of] = sample.emit
-            sample_rows = SampleRows(emit, pos.max(axis=1) + 1)  # the position each row samples
+            if folds is not None:
+                full = np.zeros((B, *folds.shape[1:]), np.uint32)
+                full[row_of] = folds
+                folds = full
+            sample_rows = SampleRows(emit, pos.max(axis=1) + 1, folds)  # the position each row samples
         key = step_key("prefill" if T > 1 else "decode", B, T, n_pages, all_logits, decoder, head)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation(key[0]):
@@ -259,9 +301,8 @@ class ModelRunner:
                     self.cache, self.sampling, out, counts = engine_step(
                         self.params, self.cache, self.sampling, batch, sample_rows, config=self.config,
                         layout=self.layout, kernels=self.kernels, head=head)
-                out, counts = jax.device_get((out, counts))  # one transfer: tokens, no logits
-                self.expert_load += counts
-                logits = jax.tree.map(lambda a: a[row_of], out)
+                pending = PendingSamples(self, out, counts, row_of)
+                logits = pending if defer else pending.fetch()
             elif self.mesh_step is not None:
                 self.cache, logits, counts = self.mesh_step(self.params, self.cache, batch,
                                                             all_logits=all_logits, decoder=decoder)
@@ -269,11 +310,16 @@ class ModelRunner:
                 batch = jax.tree.map(jnp.asarray, batch)
                 self.cache, logits, counts = forward_step(self.params, self.config, self.layout, self.cache, batch,
                                                           all_logits=all_logits, decoder=decoder, kernels=self.kernels)
-            # pulling the results to the host each step also keeps the CPU backend's collectives
-            # from queueing up (they deadlock when too many are in flight)
+            # pulling the results to the host each step (or, deferred, one step later) also keeps
+            # the CPU backend's collectives from queueing up (they deadlock when too many are in
+            # flight)
             if head is None:
-                self.expert_load += np.asarray(counts)
-                logits = None if logits is None else np.asarray(logits)[row_of]
+                if defer and logits is None:  # an encoder-only pass: nothing to wait for
+                    counts.copy_to_host_async()
+                    self._unread_counts.append(counts)
+                else:
+                    self.expert_load += np.asarray(counts)
+                    logits = None if logits is None else np.asarray(logits)[row_of]
         if key not in self._compiled:
             self._compiled.add(key)
             self.compile_seconds[key] = time.perf_counter() - start
@@ -281,6 +327,13 @@ class ModelRunner:
                      key[0], B, T, n_pages, "" if decoder else " (encoder + decoder KV path)",
                      self.compile_seconds[key])
         return logits
+
+    def read_counts(self) -> np.ndarray:
+        """`expert_load` with the counts of deferred encoder-only passes added (waits for them)."""
+        for counts in self._unread_counts:
+            self.expert_load += np.asarray(counts)
+        self._unread_counts.clear()
+        return self.expert_load
 
     def draft(self, slots, anchors, anchor_positions, floors=None) -> dict[str, np.ndarray]:
         """Greedy DSpark drafts (`model.drafter.draft_from_cache`) for the sequences in global

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from deepinfer.serve.engine import placeholders
 from deepinfer.serve.engine.sampling_state import SamplingState
 
 __all__ = ["BLOCK", "SampleOutput", "SampleRows", "Sampler", "blocked_argmax", "gumbel", "process_logits",
@@ -59,13 +60,17 @@ _GOLDEN = 0x9E3779B9
 _BLOCK_STREAM = 0x5BD1E995  # the block noise's key differs from the token noise's
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["emit", "position"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["emit", "position", "folds"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SampleRows:
     """Per-row inputs of a step's sampler besides the slots."""
 
     emit: Any  # bool[B]: the row's token is kept (a decode row, a prompt's last chunk); else padding
     position: Any  # i32[B]: absolute position of the token being sampled
+    # u32[B, n_engram_layers, N-1, 2]: the Engram look-back folds of a decode step's rows, for
+    # rows whose input token is a placeholder (`placeholders.py`); None in prefill steps and
+    # without Engram
+    folds: Any = None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -262,6 +267,7 @@ def sample(logits: jax.Array, state: SamplingState, slots: jax.Array, rows: Samp
         kept = jnp.where(rows.emit, slots, S)  # S: dropped
         state = dataclasses.replace(
             state, num_output=state.num_output.at[kept].add(1, mode="drop"),
+            last_token=state.last_token.at[kept].set(tokens, mode="drop"),
             output_counts=state.output_counts.at[kept, tokens].add(1, mode="drop"))
         return state, out
 
@@ -275,3 +281,9 @@ class Sampler:
 
     def __call__(self, logits, state, slots, rows):
         return sample(logits, state, slots, rows, num_logprobs=self.num_logprobs)
+
+    @staticmethod
+    def resolve(batch, state, rows, config):
+        """The step's input with its placeholder tokens filled in from the state, before the
+        model runs (`placeholders.resolve`)."""
+        return placeholders.resolve(batch, state, rows, config)

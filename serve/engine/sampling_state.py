@@ -13,6 +13,8 @@ Per slot (S slots, vocabulary V):
 * min_tokens bans: `ban_ids` (EOS unless ignore_eos, and the stop token ids) get a large negative
   bias while `num_output < min_tokens`; `num_output` counts the request's generated tokens and
   is advanced by the step;
+* `last_token`: the token the slot's last step sampled, which a decode step reads as its input
+  when the host has not read it yet (asynchronous scheduling);
 * the penalty history, dense: `output_counts` (occurrences of each token in the output, advanced
   by the step with the sampled token) and `prompt_seen` (the prompt's tokens, which count for
   the repetition penalty only, as in vLLM). They are uploaded at admission only for a request
@@ -71,7 +73,7 @@ class SamplingParamsLike(Protocol):
 
 
 _SCALARS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "seed", "min_tokens", "num_output")
+            "repetition_penalty", "seed", "min_tokens", "num_output", "last_token")
 _LISTS = ("bias_ids", "bias_values", "ban_ids")
 _DENSE = ("output_counts", "prompt_seen")
 
@@ -91,6 +93,9 @@ class SamplingState:
     seed: Any  # u32[S]
     min_tokens: Any  # i32[S]
     num_output: Any  # i32[S]; tokens generated so far
+    # i32[S]: the token the slot's last step sampled, the input of its next decode step when the
+    # host has not read it yet (asynchronous scheduling: `placeholders.py`)
+    last_token: Any
     bias_ids: Any  # i32[S, Kb]; -1 = padding
     bias_values: Any  # f32[S, Kb]
     ban_ids: Any  # i32[S, Kn]; -1 = padding; banned while num_output < min_tokens
@@ -118,6 +123,7 @@ class SlotRow:
     seed: Any
     min_tokens: Any
     num_output: Any
+    last_token: Any
     bias_ids: Any
     bias_values: Any
     ban_ids: Any
@@ -127,11 +133,12 @@ class SlotRow:
 
 _DTYPES = {"temperature": np.float32, "top_k": np.int32, "top_p": np.float32, "min_p": np.float32,
            "presence_penalty": np.float32, "frequency_penalty": np.float32, "repetition_penalty": np.float32,
-           "seed": np.uint32, "min_tokens": np.int32, "num_output": np.int32, "bias_ids": np.int32,
-           "bias_values": np.float32, "ban_ids": np.int32, "output_counts": np.int32, "prompt_seen": np.bool_}
+           "seed": np.uint32, "min_tokens": np.int32, "num_output": np.int32, "last_token": np.int32,
+           "bias_ids": np.int32, "bias_values": np.float32, "ban_ids": np.int32, "output_counts": np.int32,
+           "prompt_seen": np.bool_}
 # what a free slot holds: greedy, nothing biased, banned or counted
 _NEUTRAL = {"temperature": 0, "top_k": 0, "top_p": 1, "min_p": 0, "presence_penalty": 0, "frequency_penalty": 0,
-            "repetition_penalty": 1, "seed": 0, "min_tokens": 0, "num_output": 0, "bias_ids": -1,
+            "repetition_penalty": 1, "seed": 0, "min_tokens": 0, "num_output": 0, "last_token": 0, "bias_ids": -1,
             "bias_values": 0, "ban_ids": -1, "output_counts": 0, "prompt_seen": False}
 
 
@@ -227,7 +234,8 @@ def slot_row(params: SamplingParamsLike | None, *, seed: int, vocab_size: int, m
         seen[prompt[(prompt >= 0) & (prompt < V)]] = True
     values = dict(temperature=t, top_k=k, top_p=tp, min_p=mp, presence_penalty=pres, frequency_penalty=freq,
                   repetition_penalty=rep, seed=int(seed) % (1 << 32), min_tokens=int(_get(params, "min_tokens")),
-                  num_output=len(output_token_ids))
+                  num_output=len(output_token_ids),
+                  last_token=int(output_token_ids[-1]) if len(output_token_ids) else 0)
     return SlotRow(**{name: np.asarray(v, _DTYPES[name]) for name, v in values.items()},
                    bias_ids=bias_ids, bias_values=bias_values, ban_ids=ban_ids, output_counts=counts,
                    prompt_seen=seen)

@@ -90,10 +90,9 @@ class Scheduler:
             request.slot = None
 
     def finish(self, request: Request) -> None:
-        if request in self.running:
-            self.running.remove(request)
-            self.cache.release(request.slot)
-            request.slot = None
+        """`request` takes no more steps: its slot and pages are free (a preempted request whose
+        pending token ended it leaves the queue)."""
+        self.abort(request)
 
     def _preempt(self, plan: StepPlan, keep: Request) -> bool:
         """Free the pages of `keep`'s data-parallel rank: only a sequence there can give them."""
@@ -128,6 +127,8 @@ class Scheduler:
         # admit waiting requests while a slot and the pages of their first chunk are free
         while self.waiting and self.cache.free_slots:
             request = self.waiting[0]
+            if request.pending:  # preempted with a token in flight: its prefill needs that token
+                break
             first = min(request.length, self.prefill_chunk)
             if not self.cache.can_allocate(first):
                 break

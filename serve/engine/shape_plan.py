@@ -77,7 +77,8 @@ def planned_shapes(engine, max_steps: int = 20_000) -> list[StepShape]:
     layout, ec = engine.cache.layout, engine.engine_config
     cache = copy.deepcopy(engine.cache, memo={id(engine.config): engine.config, id(layout): layout})
     scheduler = Scheduler(cache, prefill_chunk=ec.prefill_chunk, max_num_batched_tokens=ec.max_num_batched_tokens)
-    shadow = {id(r): dataclasses.replace(r, output_ids=list(r.output_ids), detokenizer=None, logprobs=None)
+    shadow = {id(r): dataclasses.replace(r, output_ids=list(r.output_ids) + [0] * r.pending, pending=0,
+                                         detokenizer=None, logprobs=None)
               for r in (*engine.scheduler.waiting, *engine.scheduler.running)}
     scheduler.waiting = deque(shadow[id(r)] for r in engine.scheduler.waiting)
     scheduler.running = [shadow[id(r)] for r in engine.scheduler.running]

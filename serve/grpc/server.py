@@ -549,6 +549,7 @@ class GrpcServer:
                               "page_size": layout.page_size, "num_pages": layout.num_pages,
                               "prefill_chunk": ec.prefill_chunk, "max_num_batched_tokens": ec.max_num_batched_tokens,
                               "prefill_mode": ec.prefill_mode, "keep_tokens": ec.keep_tokens, "seed": ec.seed,
+                              "async_scheduling": ec.async_scheduling,
                               "model_name": self._model_name(), "dtype": str(engine.config.dtype),
                               "fake_quant": bool(engine.config.fake_quant)}
             running = len(engine.scheduler.running)

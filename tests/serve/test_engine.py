@@ -86,15 +86,21 @@ def test_abort_after_a_step_that_raised_frees_the_slot(model, monkeypatch):
     """A request that a step finished just before it raised is still in the scheduler; the
     caller's clean-up abort must give its slot and pages back."""
     engine = make_engine(model)
-    engine.add_request("done", prompt(20, 5), SamplingParams(max_tokens=1, **GREEDY))
+    # a stop the host only sees in the token (not a count): the request is still scheduled when
+    # the step that reads its token ends it (a step later under asynchronous scheduling)
+    forced = SamplingParams(max_tokens=8, logit_bias={42: 100.0}, stop_token_ids=[42], **GREEDY)
+    engine.add_request("done", prompt(20, 5), forced)
 
-    def fail(*args):
-        raise RuntimeError("step failed after sampling")
+    def fail(plan, finished):
+        if finished:
+            raise RuntimeError("step failed after sampling")
 
     monkeypatch.setattr(engine, "_finish_stuck", fail)
     with pytest.raises(RuntimeError, match="after sampling"):
-        engine.step()
+        for _ in range(3):
+            engine.step()
     assert engine.requests["done"].finished
+    assert engine.requests["done"] in engine.scheduler.running
     assert engine.abort("done") is None
     assert engine.cache.pages.free == engine.cache.layout.num_pages
     assert engine.cache.free_slots == engine.cache.layout.num_slots
@@ -187,7 +193,8 @@ def test_sampling_state_is_written_at_admission_and_cleared_when_leaving(model):
     for _ in range(3):
         engine.step()
     request = engine.requests["p"]
-    state, slot, n = engine.runner.sampling, request.slot, len(request.output_ids)
+    # the device counts the tokens it sampled, the one the host has not read yet too (asynchronous)
+    state, slot, n = engine.runner.sampling, request.slot, len(request.output_ids) + request.pending
     assert float(state.temperature[slot]) == pytest.approx(0.8) and int(state.seed[slot]) == 5
     assert int(state.num_output[slot]) == n == 3 and int(np.asarray(state.output_counts[slot]).sum()) == n
     other = engine.requests["unseeded"]
