@@ -11,6 +11,7 @@ from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import AdmissionError, CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from tests.serve.test_steps import PROMPT_LEN as FORWARD_LEN
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -45,10 +46,16 @@ def run(engine):
 
 def is_greedy_continuation(model, ids, tokens):
     """One causal forward over prompt + output: each output token must be the argmax after its
-    prefix (by causality, the same as a step-by-step greedy loop)."""
+    prefix (by causality, the same as a step-by-step greedy loop). The sequence is right-padded
+    to FORWARD_LEN (causal: padding after a position cannot change its logits), so every call
+    runs one compiled forward, the one test_steps.py compiles too (the run's cache shares it)."""
     config, params, _ = model
-    logits = np.asarray(forward(params, config, np.asarray(list(ids) + list(tokens[:-1]))))
-    return logits[len(ids) - 1:].argmax(-1).tolist() == list(tokens)
+    seq = list(ids) + list(tokens[:-1])
+    assert len(seq) <= FORWARD_LEN, f"{len(seq)} tokens: raise FORWARD_LEN"
+    padded = np.full(FORWARD_LEN, config.pad_token_id, np.int32)
+    padded[:len(seq)] = seq
+    logits = np.asarray(forward(params, config, padded))
+    return logits[len(ids) - 1:len(seq)].argmax(-1).tolist() == list(tokens)
 
 
 def test_requests_join_and_leave_between_steps(model):
@@ -110,7 +117,7 @@ def test_abort_after_a_step_that_raised_frees_the_slot(model, monkeypatch):
 def test_preemption_recomputes_and_keeps_outputs_exact(model):
     """A pool too small for both sequences forces a preemption; the preempted request is
     recomputed later and still produces the greedy tokens of an unconstrained run."""
-    engine = make_engine(model, num_pages=5, max_model_len=320)
+    engine = make_engine(model, num_pages=5)
     engine.add_request("x", prompt(130, 5), SamplingParams(max_tokens=100, **GREEDY))
     engine.add_request("y", prompt(130, 6), SamplingParams(max_tokens=100, **GREEDY))
     outputs = run(engine)
@@ -123,9 +130,9 @@ def test_preemption_recomputes_and_keeps_outputs_exact(model):
 
 
 def test_a_prompt_that_cannot_fit_is_rejected_and_others_continue(model):
-    engine = make_engine(model, max_model_len=256)
-    with pytest.raises(AdmissionError, match="does not fit"):
-        engine.add_request("huge", prompt(400, 7), SamplingParams(max_tokens=2))
+    engine = make_engine(model)  # the module's cache layout: its step programs are compiled already
+    with pytest.raises(AdmissionError, match=r"prompt of 601 tokens does not fit the context \(512 tokens\)"):
+        engine.add_request("huge", prompt(600, 7), SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("bad", [0, 10**7], SamplingParams(max_tokens=2))
     engine.add_request("ok", prompt(10, 8), SamplingParams(max_tokens=2, **GREEDY))
@@ -212,8 +219,8 @@ def test_a_preempted_sampled_request_resumes_its_sampling_state(model):
     params = SamplingParams(max_tokens=80, temperature=1.0, seed=9, presence_penalty=0.8, frequency_penalty=0.4,
                             repetition_penalty=1.3, min_tokens=70, ignore_eos=False)
     outputs = {}
-    for pages in (5, None):
-        engine = make_engine(model, num_pages=pages, max_model_len=320)
+    for pages in (5, None):  # None: the module's layout, whose step programs are compiled already
+        engine = make_engine(model, num_pages=pages)
         engine.add_request("x", prompt(130, 5), dataclasses.replace(params, seed=1))
         engine.add_request("y", prompt(130, 6), params)
         outputs[pages] = {rid: out.outputs[0].token_ids for rid, out in run(engine).items()}

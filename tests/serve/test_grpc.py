@@ -31,7 +31,7 @@ from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
 from deepinfer.serve.grpc import deepinfer_engine_pb2 as pb
 from deepinfer.serve.grpc import deepinfer_engine_pb2_grpc as pb_grpc
 from deepinfer.serve.grpc.server import SERVICE_NAME, LoadedModel, ServerSettings, ServerThread
-from tests.serve.compilations import COMPILE_EVENTS
+from tests.serve.compilations import COMPILE_EVENTS, WARM_ENGINE
 
 GRPC_DIR = Path(__file__).resolve().parents[2] / "serve" / "grpc"
 BUDGET = CacheBudget(num_slots=4, max_model_len=512, page_size=64)
@@ -688,9 +688,6 @@ def test_duplicate_request_id_is_refused(server, stub):
     wait_released(server)
 
 
-WARM_BUDGET = CacheBudget(num_slots=2, max_model_len=128, page_size=64)  # 2 page buckets x (1, 2 prefill rows; decode)
-
-
 @pytest.mark.slow
 def test_warmup_compiles_before_serving(model):
     """SERVING (and warmup_complete) only once every shape is compiled; then a prompt that crosses
@@ -698,7 +695,7 @@ def test_warmup_compiles_before_serving(model):
     import jax.monitoring
 
     config, params, tokenizer = model
-    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=WARM_BUDGET, prefill_chunk=128))
+    engine = LLMEngine(params, config, tokenizer, WARM_ENGINE)
     proceed = threading.Event()
     original_run = engine.runner.run
 

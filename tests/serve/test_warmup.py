@@ -26,7 +26,7 @@ from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
 from deepinfer.serve.engine.shape_plan import planned_shapes
 from deepinfer.serve.engine.types import MAX_LOGPROBS
 from deepinfer.serve.engine.warmup import pending_shapes, step_shapes, warm_up
-from tests.serve.compilations import COMPILE_EVENTS
+from tests.serve.compilations import COMPILE_EVENTS, WARM_ENGINE
 
 BUDGET = CacheBudget(num_slots=4, max_model_len=1024, page_size=64)
 
@@ -228,12 +228,15 @@ def test_planned_shapes_of_one_long_prompt(model):
 def test_nothing_compiles_after_the_warm_up(model):
     """Real XLA compilations (JAX's compile and cache-load events), not the runner's bookkeeping: after
     the warm-up, prompts of mixed lengths whose prefills and generations cross page buckets,
-    admitted while others decode, greedy and sampled, compile nothing."""
+    admitted while others decode, greedy and sampled, compile nothing. The engine is the one of
+    test_grpc.py's warm-up test (`WARM_ENGINE`: the run compiles its programs once); the programs
+    this process holds are dropped first, so the warm-up loads or compiles every one of them."""
+    import jax
     import jax.monitoring
 
     config, params, tokenizer = model
-    budget = CacheBudget(num_slots=2, max_model_len=128, page_size=64)  # page buckets 1 and 2
-    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefill_chunk=128, prefill_mode="full"))
+    jax.clear_caches()
+    engine = LLMEngine(params, config, tokenizer, WARM_ENGINE)
     compiles = []
 
     def on_event(name, seconds, **_):
