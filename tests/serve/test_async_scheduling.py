@@ -126,3 +126,17 @@ def test_async_scheduling_gives_the_synchronous_outputs(model):
     for rid, (_, params) in {rid: (p, params) for rid, p, params in requests}.items():
         if params.min_tokens:
             assert len(sync[rid][0]) > params.min_tokens and sync[rid][1] == "stop"
+
+
+def test_a_request_shows_its_unread_tokens_as_placeholders():
+    from deepinfer.serve.engine.placeholders import PLACEHOLDER
+    from deepinfer.serve.engine.request import Request
+
+    request = Request("r", None, [1, 2, 3], SamplingParams(), None, None, 0)
+    request.output_ids, request.pending = [4, 5], 2
+    assert request.length == 7 and request.known == 5
+    assert request.ids(0, 7).tolist() == [1, 2, 3, 4, 5, PLACEHOLDER, PLACEHOLDER]
+    assert request.ids(2, 4).tolist() == [3, 4]
+    assert request.ids(5, 9).tolist() == [PLACEHOLDER, PLACEHOLDER]
+    request.pending = 0
+    assert request.ids(3, 9).tolist() == [4, 5]
