@@ -1,5 +1,5 @@
-"""Test-session setup, before JAX is imported: 8 virtual CPU devices, the CPU platform, LLVM's
-quick code generation, and a persistent compilation cache of this run only."""
+"""Test-session setup, before JAX is imported: 8 virtual CPU devices, the CPU platform, and a
+persistent compilation cache of this run only."""
 
 import os
 import shutil
@@ -8,15 +8,7 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    flags = (flags + " --xla_force_host_platform_device_count=8").strip()
-# Most of the suite's time is XLA compiling small step programs for the CPU. LLVM at -O0 compiles
-# them about a third faster (measured: an engine's prefill and decode programs 45 -> 30 s of CPU,
-# the full forward 9.4 -> 6.7 s) and runs them about as fast at these sizes; XLA's own HLO passes
-# (fusion, simplification) still run, so the programs compute the same thing (the same tokens,
-# logprobs within ~1e-6 of -O2's). The commands the tests start inherit it.
-if "xla_backend_optimization_level" not in flags:
-    flags = (flags + " --xla_backend_optimization_level=0").strip()
-os.environ["XLA_FLAGS"] = flags
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 # LLM() and the commands keep JAX's persistent compilation cache under ~/.cache/deepinfer/xla by
 # default: the suite (and the commands it starts) never writes the real home nor loads executables
 # from an earlier run. It shares one cache of its own instead, a new directory per run, made by the

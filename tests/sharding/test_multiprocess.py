@@ -29,10 +29,8 @@ def _command(checkpoint: str, *extra: str) -> list[str]:
 
 
 def _env(devices: int) -> dict:
-    """`devices` CPU devices; the suite's other XLA flags (tests/conftest.py) stay."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]))
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return env
 
 
