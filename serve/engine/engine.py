@@ -164,6 +164,7 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.abort(request)  # also frees a request finished by a step that then raised
+        self._forget_in_flight([request])
         self._clear_left_slots()
         if request.finished:
             return None
@@ -192,9 +193,8 @@ class LLMEngine:
         return {r.request_id: {k: out[k][i] for k in ("tokens", "logits", "confidence")} for i, r in enumerate(rows)}
 
     def has_unfinished(self) -> bool:
-        """Requests wait, run, or have a token in flight (a step in flight whose requests all
-        ended only has tokens to drop: the next step does)."""
-        return self.scheduler.has_work or bool(self._ready) or any(not s.request.finished for s in self._in_flight)
+        """Requests wait, run, or have a token in flight."""
+        return self.scheduler.has_work or bool(self._ready or self._in_flight)
 
     def sync(self) -> None:
         """Read the step in flight now (asynchronous scheduling): every request's tokens are then
@@ -275,15 +275,22 @@ class LLMEngine:
         return _Sampled(request, out, row)
 
     def _complete(self, finished: list[Request]) -> list[RequestOutput]:
-        """Outputs of the finished requests, whose slots and pages are released."""
+        """Outputs of the finished requests, whose slots and pages are released and whose tokens
+        still in flight (computed past a stop) will never be read."""
         outputs = []
         for request in finished:
             self.scheduler.finish(request)
             request.metrics.finished_time = time.time()
             outputs.append(request.to_output())
             self.requests.pop(request.request_id, None)
+        self._forget_in_flight(finished)
         self._clear_left_slots()
         return outputs
+
+    def _forget_in_flight(self, requests: list[Request]) -> None:
+        gone = {id(r) for r in requests}
+        if self._in_flight and gone:
+            self._in_flight = [s for s in self._in_flight if id(s.request) not in gone]
 
     def replay_floor(self, request: Request) -> int:
         """Where the decoder layers start on `request`'s tokens, fixed when it is admitted: in

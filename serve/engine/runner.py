@@ -61,7 +61,8 @@ class PendingSamples:
         self._runner, self._out, self._counts, self._row_of = runner, out, counts, row_of
         self._rows: SampleOutput | None = None
         for leaf in jax.tree.leaves((out, counts)):
-            leaf.copy_to_host_async()
+            if isinstance(leaf, jax.Array):
+                leaf.copy_to_host_async()
 
     def fetch(self) -> SampleOutput:
         if self._rows is None:
@@ -314,7 +315,7 @@ class ModelRunner:
             # the CPU backend's collectives from queueing up (they deadlock when too many are in
             # flight)
             if head is None:
-                if defer and logits is None:  # an encoder-only pass: nothing to wait for
+                if defer and logits is None and isinstance(counts, jax.Array):  # an encoder-only pass
                     counts.copy_to_host_async()
                     self._unread_counts.append(counts)
                 else:

@@ -205,14 +205,14 @@ def test_out_of_vocabulary_ids_fail_their_lines_only(llm, tmp_path):
 
 def test_a_failing_engine_step_fails_only_the_line_that_causes_it(llm, tmp_path, monkeypatch):
     poison = 4242
-    sample = llm.engine._accept_samples
+    settle = llm.engine._settle  # reads a step's sampled tokens
 
-    def sample_or_fail(rows, finished):
-        if any(poison in request.prompt_token_ids for request, _ in rows):
+    def settle_or_fail(rows):
+        if any(poison in sampled.request.prompt_token_ids for sampled in rows):
             raise RuntimeError("poisoned row in the step")
-        return sample(rows, finished)
+        return settle(rows)
 
-    monkeypatch.setattr(llm.engine, "_accept_samples", sample_or_fail)
+    monkeypatch.setattr(llm.engine, "_settle", settle_or_fail)
     rows = [line(f"c{i}", COMPLETIONS, {"prompt": [0, 11 + i, poison if i == 3 else 12], "max_tokens": 2,
                                         "temperature": 0}) for i in range(7)]
     summary, dst = run(llm, tmp_path, rows)

@@ -99,11 +99,19 @@ def test_decode_rows_carry_constant_host_work_whatever_the_context(lengths, monk
                                                                       prefill_mode="full"))
     seen = []
 
-    def fake_run(work, page_table, *, rows, tokens, all_logits=False, decoder=True, sample=None):
+    class Fetched:  # a deferred step's results (`runner.PendingSamples`), here at once
+        def __init__(self, out):
+            self.out = out
+
+        def fetch(self):
+            return self.out
+
+    def fake_run(work, page_table, *, rows, tokens, all_logits=False, decoder=True, sample=None, defer=False):
         seen.extend((w, tokens) for w in work)
         if sample is None:  # the model is not the point here
             return None if not decoder else np.zeros((len(work), config.vocab_size), np.float32)
-        return SampleOutput(tokens=np.full(len(work), 5, np.int32))
+        out = SampleOutput(tokens=np.full(len(work), 5, np.int32))
+        return Fetched(out) if defer else out
 
     monkeypatch.setattr(engine.runner, "run", fake_run)
     rng = np.random.default_rng(3)
