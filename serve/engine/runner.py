@@ -215,9 +215,11 @@ class ModelRunner:
             # the n-grams ending in the chunk reach back `lookback` tokens; a shorter history is
             # the sequence start, where the hasher pads (sticky), as in the full forward
             history = w.history[max(0, len(w.history) - lookback):]
-            if T == 1:
-                folds.append(hasher.pending_folds(hasher.compress(history)))
-            if len(w.tokens) and w.tokens[0] == PLACEHOLDER:
+            pending = len(w.tokens) and w.tokens[0] == PLACEHOLDER
+            if T == 1:  # only a placeholder row's folds are read (`placeholders.resolve`)
+                folds.append(hasher.pending_folds(hasher.compress(history)) if pending
+                             else np.zeros((hasher.n_layers, hasher.lookback_len, 2), np.uint32))
+            if pending:
                 rows.append(np.zeros((T, hasher.n_layers, hasher.n_cols), np.int32))
                 continue
             context = np.concatenate([history, w.tokens])
