@@ -20,9 +20,9 @@ import pytest
 
 from deepinfer.model import init_params, load_config
 from deepinfer.model.tokenizer import load_tokenizer
-from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.serve.engine.warmup import warm_up
 from deepinfer.serve.grpc import deepinfer_engine_pb2 as pb
 from deepinfer.serve.grpc import deepinfer_engine_pb2_grpc as pb_grpc
 from deepinfer.serve.grpc.metrics import percentile
@@ -41,12 +41,10 @@ def server():
     config = load_config("tiny-v4.1", fake_quant=True)
     engine = LLMEngine(init_params(config, seed=0), config, load_tokenizer(),
                        EngineConfig(budget=BUDGET, prefill_chunk=128))
-    # compile the load's shapes (one page; greedy and temperature sampling) before measuring: the
-    # server's full warm-up would also compile page buckets the load never reaches
-    for i, temperature in enumerate((0.0, 0.8)):
-        engine.add_request(f"compile-{i}", [0, 101, 102], SamplingParams(temperature=temperature, max_tokens=2))
-        while engine.has_unfinished():
-            engine.step()
+    # compile every shape the load can reach (prompt + output within one page: prefill of 1, 2, 4
+    # and 8 rows, decode) before measuring; a shape compiled inside the 30 s window would stall all
+    # 64 clients for ~10 s. The server's full warm-up would also compile page buckets never reached.
+    warm_up(engine, max_len=BUDGET.page_size)
     srv = ServerThread(LoadedModel(engine, model_name="tiny-v4.1-load"),
                        ServerSettings(port=0, max_concurrent_streams=CLIENTS, max_queue=CLIENTS, warmup=False))
     srv.start()
@@ -137,8 +135,11 @@ async def _run_load(port: int) -> dict:
 
 @pytest.mark.slow
 def test_64_streaming_clients(server, tmp_path):
+    compiled = set(server.server.engine.runner.compile_seconds)
     stats = asyncio.run(_run_load(server.port))
     assert stats["errors"] == [], stats["errors"][:5]
+    late = set(server.server.engine.runner.compile_seconds) - compiled
+    assert not late, f"shapes compiled during the load (missing from the warm-up): {sorted(map(str, late))}"
     assert stats["completed"] > 0 and len(stats["ttft"]) > 0
 
     # nothing leaked: every stream ended, every page and slot is free again
