@@ -4,12 +4,13 @@ several batch sizes, and how long the device waits for the host between consecut
     python benchmarks/async_overhead.py [--batch-sizes 1,8,32] [--input-len 128] [--output-len 64]
 
 Device idle time comes from timestamps: a watcher thread waits for each dispatched device step
-in order (the cache it returns is ready when the step is done) and records when it finished.
-A step starts when it was dispatched or when the previous one finished, whichever is later; the
-idle time before it is the part of the gap between the previous step's end and its dispatch,
-i.e. the host's critical path. Figures are per engine step (all its device programs together)
-and printed as a fraction of the device's busy time. Each configuration runs once untimed
-(compilation) before it is measured; both modes share the compiled programs.
+in order (on one element sliced from the cache it returns, ready when the step is done) and
+records when it finished. A step starts when it was dispatched or when the previous one
+finished, whichever is later; the idle time before it is the part of the gap between the
+previous step's end and its dispatch, i.e. the host's critical path. Figures are per engine step
+(all its device programs together) and printed as a fraction of the device's busy time. Each
+configuration runs once untimed (compilation) before it is measured; both modes share the
+compiled programs.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class StepClock:
         def run(*args, **kwargs):
             out = original(*args, **kwargs)
             self.dispatched.append(time.perf_counter())
-            self._queue.put(jax.tree.leaves(runner.cache)[0])
+            # the step's cache is donated to the next step before the watcher can wait on it:
+            # wait on one element sliced from it (a program queued after the step, not donated)
+            self._queue.put(jax.tree.leaves(runner.cache)[0].reshape(-1)[:1])
             return out
 
         runner.run = run
