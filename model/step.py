@@ -21,6 +21,9 @@ With drafter rings in the layout, it also keeps the DSpark drafter's context: th
 entering the target layers become `main_x`, whose per-block window KV goes into the draft rings
 (`model.drafter`), at the rows the decoder layers ran on.
 
+`verify_body` is the step of speculative decoding: every token's logits, and what
+`model.rollback.roll_back` needs to keep only the accepted tokens in the cache.
+
 In full-fidelity mode this reproduces `forward.forward` position by position; the engine tests
 check that for several chunkings.
 """
@@ -43,6 +46,7 @@ from deepinfer.model.kv_cache import FLOAT, CacheLayout, KVCache, decode, encode
 from deepinfer.model.layers import compress_inv_freq, linear
 from deepinfer.model.paged import PagedSource
 from deepinfer.model.params import compute_dtype
+from deepinfer.model.rollback import Undo, snapshot_rings
 from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
 
@@ -73,6 +77,7 @@ class _State:
         self.entries = [list(e) for e in cache.entries]
         self.index_keys = [list(k) for k in cache.index_keys]
         self.pending = list(cache.pending)
+        self.pair_inputs: list = [None] * len(cache.pending)
         self.shared: dict = {}
 
     def cache(self) -> KVCache:
@@ -90,6 +95,8 @@ def _source_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: int, 
     src = config.kv_source_layer_ids.index(layer)
     k = pending_sources(config).index(layer) if ratio > 1 else None
     kv, gate = compressor.project(p["compressor"], x, ratio)
+    if k is not None:  # a verify step rolls the pending token back to a kept one (`model.rollback`)
+        st.pair_inputs[k] = jnp.stack([kv, gate], axis=2)
     store = get_kernel("compress_store", kernels)
     entries, keys, pending = store(
         kv, gate, batch.positions, valid, batch.page_table, tuple(st.entries[src]), tuple(st.index_keys[src]),
@@ -249,6 +256,24 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
 
     `read_all`: read every page of every source (no selected-row reads; see the module
     docstring), the same result by another path."""
+    st, logits, counts = _run(params, cache, batch, config, layout, all_logits, decoder, kernels, ep, seq, read_all)
+    return st.cache(), logits, counts
+
+
+def verify_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelConfig, layout: CacheLayout,
+                kernels: KernelConfig | None = None, ep=None) -> tuple[KVCache, jax.Array, jax.Array, Undo]:
+    """`step_body` over rows that each hold an anchor and its drafts, with fp32 logits at every
+    token `[B, T, vocab]` and the `Undo` that `model.rollback.roll_back` takes to keep only the
+    accepted tokens in the cache (on one device's share; not under context parallel)."""
+    W = config.sliding_window
+    rings = snapshot_rings(cache, batch.slots, _write_index(batch.positions, batch.positions >= 0, W))
+    st, logits, counts = _run(params, cache, batch, config, layout, True, True, kernels, ep, None, False)
+    return st.cache(), logits, counts, Undo(rings, tuple(st.pair_inputs))
+
+
+def _run(params: dict, cache: KVCache, batch: StepBatch, config: ModelConfig, layout: CacheLayout, all_logits: bool,
+         decoder: bool, kernels: KernelConfig | None, ep, seq, read_all: bool) -> tuple[_State, jax.Array | None,
+                                                                                         jax.Array]:
     chunk = _Chunk(batch, seq)
     positions, whole = batch.positions, chunk.whole.positions
     valid, whole_valid = positions >= 0, whole >= 0
@@ -280,7 +305,7 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
             _write_draft_rings(params, config, layout, [walk.captured[t] for t in capture], chunk, decoder_write, st)
     st.window_pos = st.window_pos.at[batch.slots[:, None], write_idx].set(whole, mode="drop")
     if not decoder:
-        return st.cache(), None, counts
+        return st, None, counts
     rows = jnp.arange(B)
     if seq is not None:  # the rows' last tokens live on some rank: gather the final hidden states
         hidden = chunk.gather(final_hidden(params, config, streams, pre))
@@ -290,7 +315,7 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
             streams, pre = streams[rows, batch.last_index][:, None], pre[rows, batch.last_index][:, None]
         hidden = final_hidden(params, config, streams, pre)
     logits = linear(hidden, params["head"]).astype(jnp.float32)
-    return st.cache(), (logits if all_logits else logits[:, 0]), counts
+    return st, (logits if all_logits else logits[:, 0]), counts
 
 
 @partial(jax.jit, static_argnames=("config", "layout", "all_logits", "decoder", "kernels", "read_all"),

@@ -10,6 +10,7 @@ the functions that need them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -150,6 +151,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "prefill_mode": mode, "keep_tokens": keep, "seed": args.seed if args.seed is not None else 0,
         "async_scheduling": not args.no_async_scheduling,
+        "speculative_config": _speculative_config(args.speculative_config),
         "accelerator": accelerator_name(args), "compilation_cache": compilation_cache_dir(args),
     }
     if args.tokenizer is not None:
@@ -157,6 +159,23 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
             raise CliError(f"tokenizer file {args.tokenizer!r} does not exist")
         settings["tokenizer"] = args.tokenizer
     return settings
+
+
+def _speculative_config(text: str | None) -> dict | None:
+    """--speculative-config: vLLM's JSON object (checked by `SpeculativeConfig.from_value`)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CliError(f"--speculative-config: not JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    from deepinfer.serve.engine.speculative import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.from_value(value, "--speculative-config")
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return value
 
 
 def check_model_arg(args: argparse.Namespace) -> None:
@@ -197,6 +216,10 @@ def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="run one engine step at a time instead of planning and dispatching each step while "
                         "the device runs the previous one")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='DSpark speculative decoding with the checkpoint\'s drafter, e.g. \'{"method": "dspark", '
+                        '"num_speculative_tokens": 5}\' (greedy requests verify that many drafts per step; '
+                        'default: off)')
     add_compilation_cache_options(p, env)
     p.add_argument("--mesh", default=env.mesh, metavar="SPEC",
                    help="run on a device mesh, e.g. dp=2,cp=2,tp=1 (axes dp, cp, tp; the product is the "

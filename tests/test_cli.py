@@ -414,3 +414,25 @@ def test_cli_prefill_modes_are_the_engine_s():
     from deepinfer.serve.engine.engine import PREFILL_MODES
 
     assert engine_args.PREFILL_MODES == PREFILL_MODES
+
+
+def test_speculative_config_option_is_checked_by_name():
+    from deepinfer.serve.engine_args import engine_settings
+
+    def settings(text):
+        args = build_parser(EnvDefaults()).parse_args(["generate", "--prompt", "x", "--no-compilation-cache",
+                                                       "--speculative-config", text])
+        return engine_settings(args)["speculative_config"]
+
+    assert settings('{"method": "dspark", "num_speculative_tokens": 3}') == {"method": "dspark",
+                                                                             "num_speculative_tokens": 3}
+    with pytest.raises(CliError, match="--speculative-config: not JSON"):
+        settings("{method: dspark}")
+    with pytest.raises(CliError, match=r"--speculative-config\.k: unknown key"):
+        settings('{"k": 3}')
+    with pytest.raises(CliError, match=r"enable_adaptive_verification: confidence-scheduled .* not built yet"):
+        settings('{"enable_adaptive_verification": true}')
+    with pytest.raises(CliError, match="num_speculative_tokens must be a positive integer"):
+        settings('{"num_speculative_tokens": 0}')
+    assert engine_settings(build_parser(EnvDefaults()).parse_args(
+        ["generate", "--prompt", "x", "--no-compilation-cache"]))["speculative_config"] is None

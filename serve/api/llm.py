@@ -59,6 +59,7 @@ from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import PREFILL_MODES, EngineConfig, LLMEngine
 from deepinfer.serve.engine.scheduler import check_token_budget
 from deepinfer.serve.engine.shape_plan import planned_shapes
+from deepinfer.serve.engine.speculative import SpeculativeConfig
 from deepinfer.serve.engine.warmup import StepShape, WarmupReport, pending_shapes, warm_up
 from deepinfer.serve.text.chat import (
     ChatEncodingError,
@@ -79,7 +80,7 @@ _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
     "prefill_chunk", "max_num_batched_tokens", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
     "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context", "accelerator",
-    "compilation_cache", "warmup", "async_scheduling",
+    "compilation_cache", "warmup", "async_scheduling", "speculative_config",
 )
 
 
@@ -291,6 +292,11 @@ class LLM:
             mid-stream (unless a request stopping early lets a queued one in with a different
             mix of prefill rows). `warm_up()` compiles every shape up to max_model_len at once.
             False: shapes compile when a step first needs them.
+        speculative_config: DSpark speculative decoding with the checkpoint's drafter, vLLM's
+            form: `{"method": "dspark", "num_speculative_tokens": 5}` (or a
+            `SpeculativeConfig`). Greedy requests without logit processing verify that many
+            drafts per step; the others decode one token per step. The engine then reads each
+            step before planning the next (no asynchronous scheduling). None: off.
 
     Unknown keyword arguments raise `ValueError` naming the argument.
     """
@@ -321,6 +327,7 @@ class LLM:
         compilation_cache: str | os.PathLike | bool | None = True,
         warmup: bool = True,
         async_scheduling: bool = True,
+        speculative_config: dict | SpeculativeConfig | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -343,6 +350,7 @@ class LLM:
         if not isinstance(warmup, bool):
             raise ValueError(f"warmup: must be a bool, got {warmup!r}")
         cache_directory = resolve_compilation_cache(compilation_cache)
+        speculative = SpeculativeConfig.from_value(speculative_config)
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode: must be one of {', '.join(PREFILL_MODES)}, got {prefill_mode!r}")
         _positive_int("keep_tokens", keep_tokens)
@@ -393,7 +401,7 @@ class LLM:
                                      prefill_mode=prefill_mode, keep_tokens=keep_tokens,
                                      eplb_interval=eplb_interval, eplb_slots=eplb_slots,
                                      drafter_context=drafter_context, kernels=self.accelerator.kernel_config(),
-                                     async_scheduling=bool(async_scheduling))
+                                     async_scheduling=bool(async_scheduling), speculative=speculative)
         self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config, mesh=self.mesh)
         self.log_stats_interval = log_stats_interval
         self.warmup = warmup

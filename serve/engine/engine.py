@@ -41,6 +41,7 @@ from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples, StepSampling, token_bucket
 from deepinfer.serve.engine.sampler import SampleOutput
+from deepinfer.serve.engine.speculative import SpeculativeConfig, speculatable
 from deepinfer.serve.engine.scheduler import GRANULE, Scheduler, prefill_passes
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
@@ -81,6 +82,9 @@ class EngineConfig:
     max_stop_token_ids: int = 32
     # plan and dispatch each step before reading the previous step's tokens (module docstring)
     async_scheduling: bool = True
+    # DSpark speculative decoding (`speculative.py`); None: off. It keeps the drafter's context
+    # (whatever `drafter_context` says) and, for now, reads each step before planning the next
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.prefill_mode not in PREFILL_MODES:
@@ -108,7 +112,15 @@ class LLMEngine:
         if engine_config.prefill_mode == "compact" and engine_config.keep_tokens < config.sliding_window:
             raise ValueError(f"keep_tokens ({engine_config.keep_tokens}) must cover the sliding window "
                              f"({config.sliding_window})")
-        drafter = engine_config.drafter_context and has_drafter(params, config)
+        self.speculative = engine_config.speculative
+        if self.speculative is not None:
+            if not has_drafter(params, config):
+                raise ValueError("speculative: method 'dspark' needs the checkpoint's DSpark drafter (mtp.* of a "
+                                 "DeepSeek-V4.1 checkpoint); these params have none")
+            if mesh is not None:
+                raise ValueError("speculative: speculative decoding runs on one device for now (no mesh)")
+            self.speculative.check(config)
+        drafter = (engine_config.drafter_context or self.speculative is not None) and has_drafter(params, config)
         draft_rings = config.num_nextn_predict_layers if drafter else 0
         layout = make_layout(config, engine_config.budget, dp=1 if mesh is None else mesh.shape["dp"],
                              draft_rings=draft_rings)
@@ -132,7 +144,8 @@ class LLMEngine:
         self._step_count = 0
         self._in_flight: list[_Sampled] = []  # the dispatched step's sampled rows, not read yet
         self._ready: list[RequestOutput] = []  # finished by `sync()`, returned by the next step
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        # spec_*: drafts sent for verification and accepted (speculative decoding)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "spec_drafts": 0, "spec_accepted": 0}
         self.warmed_shapes: set = set()  # step shapes `serve.engine.warmup.warm_up` compiled
 
     # ---- requests ----------------------------------------------------------------------
@@ -219,11 +232,13 @@ class LLMEngine:
                 self.runner.write_sampling(request.slot, self._slot_row(request))
                 self._sampling_slots.add(request.slot)
         sampled = self._dispatch(plan)
-        if self.engine_config.async_scheduling:
+        if self.engine_config.async_scheduling and self.speculative is None:
             to_read, self._in_flight = self._in_flight, sampled
         else:
             to_read = sampled
         finished = self._settle(to_read)
+        if self.speculative is not None and plan.decode:
+            finished += self._verify(plan.decode)
         self._finish_stuck(plan, finished)
         self._check_progress(plan, finished, read=bool(to_read))
         self._step_count += 1
@@ -252,7 +267,7 @@ class LLMEngine:
                 self.stats["prompt_tokens"] += n
                 if request.to_feed == 0:
                     sampled.append(self._sampled(request, out, i))
-        if plan.decode:
+        if plan.decode and self.speculative is None:
             work = [ChunkWork(r.slot, r.ids(r.length - 1, r.length), r.length - 1, self._lookback(r, r.length - 1),
                               r.floor) for r in plan.decode]
             out = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.slots_per_rank, tokens=1,
@@ -364,28 +379,69 @@ class LLMEngine:
             if request.finished:
                 continue
             out = _row(sampled.samples.fetch(), sampled.row)
-            now = time.time()
             request.pending -= 1
-            token = int(out.tokens)
-            request.output_ids.append(token)
-            self.stats["generation_tokens"] += 1
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
-            if request.logprobs is not None:
-                entry = {token: Logprob(float(out.logprobs), int(out.ranks), self._decode_one(token))}
-                for j in range(request.params.logprobs):
-                    alt = int(out.top_ids[j])
-                    entry.setdefault(alt, Logprob(float(out.top_logprobs[j]), j + 1, self._decode_one(alt)))
-                request.logprobs.append(entry)
-                request.cumulative_logprob += float(out.logprobs)
-            if self._check_stop(request, token):
-                request.status = Status.FINISHED
+            if self._take(request, int(out.tokens), out):
                 finished.append(request)
             elif request.closing and not request.pending:  # (the limits are counted alike: a safeguard)
                 request.finish_reason, request.status = request.closing, Status.FINISHED
                 self._flush_text(request)
                 finished.append(request)
+        return finished
+
+    def _take(self, request: Request, token: int, out: SampleOutput | None) -> bool:
+        """Append a sampled `token` (with its logprobs from `out` when the request asks) and
+        apply the stop rules; True when the request finished."""
+        now = time.time()
+        request.output_ids.append(token)
+        self.stats["generation_tokens"] += 1
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.last_token_time = now
+        if request.logprobs is not None:
+            entry = {token: Logprob(float(out.logprobs), int(out.ranks), self._decode_one(token))}
+            for j in range(request.params.logprobs):
+                alt = int(out.top_ids[j])
+                entry.setdefault(alt, Logprob(float(out.top_logprobs[j]), j + 1, self._decode_one(alt)))
+            request.logprobs.append(entry)
+            request.cumulative_logprob += float(out.logprobs)
+        if self._check_stop(request, token):
+            request.status = Status.FINISHED
+            return True
+        return False
+
+    # ---- speculative decoding ------------------------------------------------------------
+    def _verify(self, requests: list[Request]) -> list[Request]:
+        """One DSpark verify step over the decoding requests (`speculative.py`), read at once:
+        each gains its accepted drafts and the target's next token, checked against the stop
+        rules token by token (tokens after a stop are dropped), and keeps the drafter's next
+        block for the next step. Returns the requests that finished."""
+        k = self.speculative.num_speculative_tokens
+        max_len = self.cache.layout.max_len
+        work, num_drafts = [], []
+        for r in requests:
+            limit = r.params.max_tokens
+            room = min(max_len - r.length, (limit - len(r.output_ids)) if limit is not None else max_len) - 1
+            drafts = r.drafts[:max(0, room)] if speculatable(r.params) else []
+            tokens = np.concatenate([r.ids(r.length - 1, r.length), np.asarray(drafts, np.int32)])
+            work.append(ChunkWork(r.slot, tokens, r.length - 1, self._lookback(r, r.length - 1), r.floor))
+            num_drafts.append(len(drafts))
+        out = self.runner.verify(work, self.cache.page_table, num_drafts, tokens=k + 1,
+                                 sample=self._step_sampling(requests, [True] * len(requests)))
+        finished = []
+        for i, request in enumerate(requests):
+            accepted = int(out.accepted[i])
+            request.computed += 1 + accepted  # the anchor and the accepted drafts are in the cache
+            request.drafts = [int(t) for t in out.drafts[i, :k]] if speculatable(request.params) else []
+            self.stats["spec_drafts"] += num_drafts[i]
+            self.stats["spec_accepted"] += accepted
+            if num_drafts[i]:
+                gained = [(int(t), None) for t in out.tokens[i, :accepted + 1]]
+            else:
+                gained = [(int(out.sampled.tokens[i]), _row(out.sampled, i))]
+            for token, row in gained:
+                if self._take(request, token, row):
+                    finished.append(request)
+                    break
         return finished
 
     def _decode_one(self, token: int) -> str:

@@ -34,6 +34,7 @@ from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
+from deepinfer.serve.engine.speculative import VerifyOutput
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -228,21 +229,11 @@ class ModelRunner:
             rows.append(np.concatenate([ids, pad]))
         return np.stack(rows), (np.stack(folds) if T == 1 else None)
 
-    def run(self, work: list[ChunkWork], page_table: np.ndarray, *, rows: int, tokens: int,
-            all_logits: bool = False, decoder: bool = True, sample: StepSampling | None = None,
-            defer: bool = False) -> np.ndarray | SampleOutput | PendingSamples | None:
-        """Run one step over `work` padded to `rows` rows PER dp RANK x `tokens`; returns fp32
-        logits `[len(work), vocab]` at each row's last token (or `[len(work), tokens, vocab]`),
-        in `work`'s order; None for a compact-prefill chunk below the replay floor
-        (`decoder=False`). With `sample`, the step samples on the device instead and returns the
-        rows' `SampleOutput` (numpy, `work`'s order), or with `defer` the `PendingSamples` to
-        fetch them from later; the logits stay there. A decode row (`tokens` 1) of a sampling
-        step may have the PLACEHOLDER token: its slot's last sample, which the device fills in."""
-        if sample is not None and (all_logits or not decoder or len(sample.emit) != len(work)):
-            raise ValueError("a sampling step needs the decoder, last-token logits and one emit flag per work row")
-        if any(PLACEHOLDER in w.tokens for w in work) and (sample is None or tokens != 1):
-            raise ValueError("a placeholder token can only be a decode row's input in a sampling step")
-        T, per_rank, dp = tokens, self.layout.slots_per_rank, self.layout.dp
+    def _batch(self, work: list[ChunkWork], page_table: np.ndarray, rows: int,
+               T: int) -> tuple[StepBatch, list[int], np.ndarray | None, int]:
+        """The padded host `StepBatch` of `work` (`rows` per dp rank x `T` tokens), each work
+        row's batch row, the Engram look-back folds of a decode step and the page bucket."""
+        per_rank, dp = self.layout.slots_per_rank, self.layout.dp
         B = rows * dp
         longest = max(w.start + len(w.tokens) for w in work)
         n_pages = page_bucket(self.layout, longest)
@@ -281,6 +272,25 @@ class ModelRunner:
             full[row_of] = hash_ids
             hash_ids = full
         batch = StepBatch(tok, pos, slots, table, hash_ids, last, floor)
+        return batch, row_of, folds, n_pages
+
+    def run(self, work: list[ChunkWork], page_table: np.ndarray, *, rows: int, tokens: int,
+            all_logits: bool = False, decoder: bool = True, sample: StepSampling | None = None,
+            defer: bool = False) -> np.ndarray | SampleOutput | PendingSamples | None:
+        """Run one step over `work` padded to `rows` rows PER dp RANK x `tokens`; returns fp32
+        logits `[len(work), vocab]` at each row's last token (or `[len(work), tokens, vocab]`),
+        in `work`'s order; None for a compact-prefill chunk below the replay floor
+        (`decoder=False`). With `sample`, the step samples on the device instead and returns the
+        rows' `SampleOutput` (numpy, `work`'s order), or with `defer` the `PendingSamples` to
+        fetch them from later; the logits stay there. A decode row (`tokens` 1) of a sampling
+        step may have the PLACEHOLDER token: its slot's last sample, which the device fills in."""
+        if sample is not None and (all_logits or not decoder or len(sample.emit) != len(work)):
+            raise ValueError("a sampling step needs the decoder, last-token logits and one emit flag per work row")
+        if any(PLACEHOLDER in w.tokens for w in work) and (sample is None or tokens != 1):
+            raise ValueError("a placeholder token can only be a decode row's input in a sampling step")
+        T = tokens
+        batch, row_of, folds, n_pages = self._batch(work, page_table, rows, T)
+        B, pos = batch.tokens.shape[0], batch.positions
         head = None
         if sample is not None:
             head = Sampler(sample.num_logprobs)
@@ -323,13 +333,44 @@ class ModelRunner:
                 else:
                     self.expert_load += np.asarray(counts)
                     logits = None if logits is None else np.asarray(logits)[row_of]
+        self._record(key, start, "" if decoder else " (encoder + decoder KV path)")
+        return logits
+
+    def _record(self, key: tuple, start: float, note: str = "") -> None:
+        """Log the first run (the compilation) of a step shape."""
         if key not in self._compiled:
             self._compiled.add(key)
             self.compile_seconds[key] = time.perf_counter() - start
             log.info("compiled %s step for %d rows x %d tokens x %d pages%s in %.2f s (first call, incl. run)",
-                     key[0], B, T, n_pages, "" if decoder else " (encoder + decoder KV path)",
-                     self.compile_seconds[key])
-        return logits
+                     key[0], key[1], key[2], key[3], note, self.compile_seconds[key])
+
+    def verify(self, work: list[ChunkWork], page_table: np.ndarray, num_drafts: list[int], *, tokens: int,
+               sample: StepSampling) -> VerifyOutput:
+        """One DSpark verify step (`speculative.verify_and_draft`) over decode rows of an anchor
+        and `num_drafts` drafts each, padded to all slots x `tokens`; waits for it and returns
+        its `VerifyOutput` on the host, rows in `work`'s order."""
+        if self.mesh_step is not None:
+            raise ValueError("speculative decoding runs on one device for now: build the engine without a mesh")
+        if not self.layout.draft_rings:
+            raise ValueError("speculative decoding needs the drafter rings (CacheLayout.draft_rings)")
+        batch, row_of, _, n_pages = self._batch(work, page_table, self.layout.slots_per_rank, tokens)
+        B = batch.tokens.shape[0]
+        head = Sampler(sample.num_logprobs)
+        emit = np.zeros((B,), np.bool_)
+        emit[row_of] = sample.emit
+        drafts = np.zeros((B,), np.int32)
+        drafts[row_of] = num_drafts
+        rows = SampleRows(emit, batch.positions[:, 0] + 1)  # the anchor's next position
+        key = step_key("verify", B, tokens, n_pages, False, True, head)
+        start = time.perf_counter()
+        with jax.profiler.TraceAnnotation("verify"):
+            args = jax.tree.map(jnp.asarray, (batch, rows, drafts))
+            self.cache, self.sampling, out, counts = self._programs.verify(self.params, self.cache, self.sampling,
+                                                                           *args, head=head)
+            out, counts = jax.device_get((out, counts))
+        self.expert_load += counts
+        self._record(key, start)
+        return jax.tree.map(lambda a: a[row_of], out)
 
     def read_counts(self) -> np.ndarray:
         """`expert_load` with the counts of deferred encoder-only passes added (waits for them)."""

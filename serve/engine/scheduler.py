@@ -118,11 +118,14 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.arrival_order):
             if request.to_feed != 1 or request not in self.running:
                 continue
-            while not self.cache.can_allocate(request.length, request.slot):
+            if request.drafts and not self.cache.can_allocate(request.length + len(request.drafts), request.slot):
+                request.drafts = []  # no pages for verifying its drafts: it decodes one token
+            need = request.length + len(request.drafts)
+            while not self.cache.can_allocate(need, request.slot):
                 if not self._preempt(plan, keep=request):
                     break
-            if self.cache.can_allocate(request.length, request.slot):
-                self.cache.ensure(request.slot, request.length)
+            if self.cache.can_allocate(need, request.slot):
+                self.cache.ensure(request.slot, need)
                 plan.decode.append(request)
         # admit waiting requests while a slot and the pages of their first chunk are free
         while self.waiting and self.cache.free_slots:
@@ -142,7 +145,7 @@ class Scheduler:
         used = [0] * self.cache.layout.dp
         chunks: list[list[int]] = [[] for _ in range(self.cache.layout.dp)]  # chunk lengths per rank
         for request in plan.decode:
-            used[self.cache.rank_of(request.slot)] += 1
+            used[self.cache.rank_of(request.slot)] += 1 + len(request.drafts)
         for request in sorted(self.running, key=lambda r: r.arrival_order):
             if request.to_feed <= 1:
                 continue

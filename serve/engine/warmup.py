@@ -9,6 +9,9 @@ asking for logprobs compiles a second one on first use). The first request that 
 bucket waits for its compilation (tens of seconds for a real model), which looks like a hang;
 `warm_up` runs each bucket once on dummy tokens instead, while the engine is idle.
 
+With speculative decoding on, the decode shapes run as DSpark verify steps (all slots x the
+anchor and its drafts), which is what such an engine's decodes are.
+
 `max_len` limits it to the shapes of sequences that end at or before that length (what a batch
 of known requests can reach: `LLM` warms each call up to its longest prompt + max_tokens), and a
 shape it compiled once is not run again, so calling it before every batch costs nothing once
@@ -24,6 +27,7 @@ the engine's counters, seed generator and the runner's expert-load statistics ar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -141,6 +145,13 @@ def _run_step(engine, shape: StepShape) -> None:
         table[slot, :needed] = (slot * needed + np.arange(needed)) % (layout.num_pages // layout.dp)
         work.append(ChunkWork(slot, np.ones(n, np.int32), start, np.ones(start, np.int32), floor))
     sample = StepSampling([False] * len(work), _logprobs(shape)) if shape.decoder else None  # no token kept
+    if shape.kind == "decode" and engine.speculative is not None:  # decodes run as verify steps
+        k = engine.speculative.num_speculative_tokens
+        start = max(0, end - (k + 1))
+        work = [dataclasses.replace(w, tokens=np.ones(end - start, np.int32), start=start,
+                                    history=np.ones(start, np.int32)) for w in work]
+        engine.runner.verify(work, table, [len(w.tokens) - 1 for w in work], tokens=k + 1, sample=sample)
+        return
     engine.runner.run(work, table, rows=shape.rows, tokens=shape.tokens, decoder=shape.decoder, sample=sample)
 
 
@@ -153,8 +164,10 @@ def _is_compiled(engine, shape: StepShape) -> bool:
     if shape in engine.warmed_shapes:
         return True
     head = Sampler(_logprobs(shape)) if shape.decoder else None
-    key = step_key(shape.kind, shape.rows * engine.cache.layout.dp, shape.tokens, shape.pages, False,
-                   shape.decoder, head)
+    kind, tokens = shape.kind, shape.tokens
+    if kind == "decode" and engine.speculative is not None:
+        kind, tokens = "verify", engine.speculative.num_speculative_tokens + 1
+    key = step_key(kind, shape.rows * engine.cache.layout.dp, tokens, shape.pages, False, shape.decoder, head)
     return key in engine.runner.compile_seconds
 
 

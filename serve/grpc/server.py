@@ -550,6 +550,9 @@ class GrpcServer:
                               "prefill_chunk": ec.prefill_chunk, "max_num_batched_tokens": ec.max_num_batched_tokens,
                               "prefill_mode": ec.prefill_mode, "keep_tokens": ec.keep_tokens, "seed": ec.seed,
                               "async_scheduling": ec.async_scheduling,
+                              "speculative_config": (None if ec.speculative is None else
+                                                     {"method": ec.speculative.method, "num_speculative_tokens":
+                                                      ec.speculative.num_speculative_tokens}),
                               "model_name": self._model_name(), "dtype": str(engine.config.dtype),
                               "fake_quant": bool(engine.config.fake_quant)}
             running = len(engine.scheduler.running)

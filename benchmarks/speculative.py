@@ -1,0 +1,88 @@
+"""DSpark speculative decoding vs plain decoding on `tiny-v4.1`: output tokens/s and accepted
+drafts per verify step, greedy, at several batch sizes.
+
+    python benchmarks/speculative.py [--batch-sizes 1,8] [--input-len 128] [--output-len 64] [-k 5]
+
+Three runs per batch size, each after an untimed run of the same requests (compilation):
+plain decoding (synchronous, as a speculative engine reads its steps), speculative decoding
+with the checkpoint's drafter (random weights accept almost nothing: this is the cost of a
+verify step that gains one token), and speculative decoding with oracle drafts (the plain
+run's own continuation put in place of the drafter's: every draft is accepted, the upper bound
+of k+1 tokens per step). Figures are ratios against plain decoding measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from deepinfer.model import init_params, load_config
+from deepinfer.model.tokenizer import load_tokenizer
+from deepinfer.serve.api.types import SamplingParams
+from deepinfer.serve.engine.cache import CacheBudget
+from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.serve.engine.speculative import SpeculativeConfig
+
+
+def run(engine: LLMEngine, prompts, sampling, oracle: dict | None = None, tag: str = "") -> tuple[dict, float, int]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", prompt, sampling)
+    outputs, steps = {}, 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        if oracle is not None:
+            for rid, request in engine.requests.items():
+                if request.drafts:
+                    n = len(request.output_ids)
+                    request.drafts = list(oracle[rid[len(tag):]][n:n + len(request.drafts)])
+        for o in engine.step():
+            outputs[o.request_id[len(tag):]] = o.outputs[0].token_ids
+        steps += 1
+    return outputs, time.perf_counter() - start, steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
+    args = parser.parse_args()
+    config = load_config("tiny-v4.1")
+    params, tokenizer = init_params(config, seed=0), load_tokenizer()
+    sampling = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    print(f"tiny-v4.1 on {jax.devices()[0].platform}: input {args.input_len}, output {args.output_len} tokens, "
+          f"greedy, k = {args.k}")
+    print(f"{'batch':>5} {'run':>16} {'out tok/s':>10} {'steps':>6} {'accepted/step':>14} {'vs plain':>9}")
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        rng = np.random.default_rng(batch)
+        prompts = [[0] + rng.integers(3, 120_000, args.input_len - 1).tolist() for _ in range(batch)]
+        budget = CacheBudget(num_slots=batch, max_model_len=args.input_len + args.output_len + 128)
+        spec = SpeculativeConfig(num_speculative_tokens=args.k)
+        engines = {
+            "plain": LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, async_scheduling=False,
+                                                                       drafter_context=True)),
+            "drafter": LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, speculative=spec)),
+        }
+        engines["oracle drafts"] = engines["drafter"]
+        reference, base = None, None
+        for name, engine in engines.items():
+            oracle = reference if name == "oracle drafts" else None
+            run(engine, prompts, sampling, oracle, tag="warm-")  # compile
+            before = dict(engine.stats)
+            outputs, seconds, steps = run(engine, prompts, sampling, oracle)
+            if name == "plain":
+                reference = outputs
+            tok_s = batch * args.output_len / seconds
+            base = base or tok_s
+            verified = engine.stats["spec_drafts"] - before["spec_drafts"]
+            accepted = engine.stats["spec_accepted"] - before["spec_accepted"]
+            per_step = f"{accepted / max(1, steps - 1) / batch:.2f}" if verified else "-"
+            print(f"{batch:>5} {name:>16} {tok_s:>10.1f} {steps:>6} {per_step:>14} {tok_s / base:>8.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

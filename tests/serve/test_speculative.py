@@ -1,0 +1,173 @@
+"""DSpark speculative decoding (`serve/engine/speculative.py`): verified greedy output equals plain
+decoding, whatever the drafts; accepted drafts are counted exactly; the cache is left clean.
+
+Numerics: fake-quant off (float32), so the verify step (6 tokens per row) and a decode step (1)
+agree to ~1e-6 and a greedy token may differ only where the plain run's top-2 log-probabilities
+are a near-tie; the comparison stops at such a position (`_agree`). Prompts span several
+512-token prefill chunks at the engine's default chunking (compact prefill), mixed in one batch with
+short ones and with requests that do not speculate (logprobs, sampling)."""
+
+import numpy as np
+import pytest
+
+from deepinfer.model import init_params, load_config
+from deepinfer.model.tokenizer import load_tokenizer
+from deepinfer.serve.api.types import SamplingParams
+from deepinfer.serve.engine.cache import CacheBudget
+from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.serve.engine.speculative import SpeculativeConfig
+
+PROMPTS = (9, 300, 700)
+MAX_TOKENS = 20
+K = 5
+NEAR_TIE = 1e-3
+BUDGET = CacheBudget(num_slots=8, max_model_len=1024, page_size=256)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32")
+    return config, init_params(config, seed=5), load_tokenizer()
+
+
+def _prompts():
+    rng = np.random.default_rng(7)
+    return [rng.integers(100, 100_000, n).tolist() for n in PROMPTS]
+
+
+def _requests():
+    """(id, prompt, params): greedy requests that speculate, and two that do not."""
+    prompts = _prompts()
+    out = [(f"greedy-{i}", p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+           for i, p in enumerate(prompts)]
+    out.append(("logprobs", prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                       logprobs=2)))
+    out.append(("sampled", prompts[2], SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
+                                                      ignore_eos=True)))
+    return out
+
+
+def _run(model, speculative, inject=None):
+    config, params, tokenizer = model
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, speculative=speculative))
+    for rid, prompt, sp in _requests():
+        engine.add_request(rid, prompt, sp)
+    outputs = {}
+    while engine.has_unfinished():
+        if inject is not None:
+            inject(engine)
+        for o in engine.step():
+            outputs[o.request_id] = o.outputs[0]
+    assert engine.cache.pages.free == engine.cache.layout.num_pages
+    assert engine.cache.free_slots == engine.cache.layout.num_slots
+    return engine, outputs
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    """The reference: plain decoding, with the top-2 logprobs of every greedy token."""
+    config, params, tokenizer = model
+    # the drafter's context kept as the speculative engines keep it: one cache layout, so the
+    # engines share their prefill programs
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, drafter_context=True))
+    for rid, prompt, sp in _requests():
+        if sp.temperature == 0:
+            sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+        engine.add_request(rid, prompt, sp)
+    outputs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs[o.request_id] = o.outputs[0]
+    return outputs
+
+
+def _agree(got: list[int], ref) -> None:
+    """Equal tokens up to the end, or up to a position where the reference's top two are a
+    near-tie (either token is then correct and the continuations differ)."""
+    for i, token in enumerate(ref.token_ids):
+        if got[i] != token:
+            top = sorted((lp.logprob for lp in ref.logprobs[i].values()), reverse=True)
+            assert top[0] - top[1] < NEAR_TIE, f"token {i}: {got[i]} != {token} (top-2 gap {top[0] - top[1]:.2e})"
+            return
+    assert len(got) == len(ref.token_ids)
+
+
+def test_greedy_speculation_equals_plain_decoding(model, plain):
+    engine, outputs = _run(model, SpeculativeConfig(num_speculative_tokens=K))
+    assert engine.stats["spec_drafts"] > 0
+    for rid, _, sp in _requests():
+        if sp.temperature == 0:
+            _agree(outputs[rid].token_ids, plain[rid])
+        else:  # sampled requests decode one token per step with the same counter-based noise
+            assert outputs[rid].token_ids == plain[rid].token_ids
+    # logprobs come back for the request that asked (it decodes one token per verify step)
+    assert len(outputs["logprobs"].logprobs) == MAX_TOKENS
+
+
+def test_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(model, plain):
+    """Drafts replaced by the reference continuation with one wrong token at a random place (or
+    none): every verify step accepts exactly the right prefix and the output is unchanged."""
+    rng = np.random.default_rng(0)
+    injected = []  # (request id, output length, drafts as verified)
+
+    def inject(engine):
+        for rid, request in engine.requests.items():
+            ref = plain[rid].token_ids
+            n = len(request.output_ids)
+            if not request.output_ids or not request.drafts or n >= len(ref):
+                continue
+            drafts = list(ref[n:n + K])
+            wrong = rng.integers(0, K + 2)  # K, K+1: all right
+            if wrong < len(drafts):
+                drafts[wrong] = (drafts[wrong] + 1) % 1000
+            request.drafts = drafts
+            injected.append((rid, n, drafts[:MAX_TOKENS - n - 1]))
+
+    engine, outputs = _run(model, SpeculativeConfig(num_speculative_tokens=K), inject)
+    for rid, _, sp in _requests():
+        if sp.temperature == 0:
+            _agree(outputs[rid].token_ids, plain[rid])
+    expected = 0
+    for rid, n, drafts in injected:
+        got = outputs[rid].token_ids[n:n + len(drafts)]
+        expected += next((j for j, (d, t) in enumerate(zip(drafts, got)) if d != t), len(drafts))
+    assert engine.stats["spec_accepted"] == expected
+    greedy = [rid for rid, _, sp in _requests() if sp.temperature == 0 and sp.logprobs is None]
+    # most tokens came from accepted drafts: far fewer steps than tokens
+    assert expected >= len(greedy) * MAX_TOKENS // 3, expected
+
+
+def test_speculative_config_is_checked(model):
+    config, params, tokenizer = model
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="exceeds the DSpark drafter's block"):
+        LLMEngine(params, config, tokenizer, EngineConfig(
+            budget=BUDGET, speculative=SpeculativeConfig(num_speculative_tokens=config.dspark_block_size + 1)))
+    no_drafter = {k: v for k, v in params.items() if k != "mtp"}
+    with pytest.raises(ValueError, match="DSpark drafter"):
+        LLMEngine(no_drafter, config, tokenizer, EngineConfig(budget=BUDGET, speculative=SpeculativeConfig()))
+
+
+def test_llm_speculative_config(tmp_path):
+    """`LLM(speculative_config=...)` (vLLM's dict) turns it on: the embedded model's drafter
+    verifies drafts, the warm-up compiles the verify shapes (nothing compiles mid-stream) and
+    the output is as long as asked; a key not built yet is refused by name."""
+    from deepinfer import LLM
+
+    small = dict(cache_dir=tmp_path / "tiny", max_num_seqs=2, max_model_len=256, page_size=64, prefill_chunk=128,
+                 compilation_cache=None, log_stats_interval=None)
+    with pytest.raises(ValueError, match="speculative_config.draft_sample_method: drafts are greedy"):
+        LLM(speculative_config={"method": "dspark", "draft_sample_method": "probabilistic"}, **small)
+    llm = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 3}, **small)
+    assert llm.engine.speculative == SpeculativeConfig(num_speculative_tokens=3)
+    out = llm.generate([[0, 101, 102, 103]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 9
+    assert llm.engine.stats["spec_drafts"] > 0
+    compiled = set(llm.engine.runner.compile_seconds)
+    assert any(key[0] == "verify" for key in compiled) and not any(key[0] == "decode" for key in compiled)
+    llm.generate([[0, 104, 105]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert set(llm.engine.runner.compile_seconds) == compiled  # the second call compiled nothing
