@@ -20,6 +20,11 @@ emitted nor counted). Limits the host can count (`max_tokens`, the context) rele
 when the last token is dispatched, as the synchronous engine would after reading it. The device
 runs the steps in the order they were dispatched (each takes the cache the previous returned),
 so a page or slot freed while a step that writes it is in flight is only reused after it.
+
+DSpark speculative decoding (`EngineConfig.speculative`, `speculative.py`): the decodes run as one
+verify step that checks each request's drafts (`Request.drafts`, proposed by the step before),
+gains the accepted ones and the target's next token, and drafts the next block. Such an engine
+reads each step before planning the next.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples, StepSampling, token_bucket
 from deepinfer.serve.engine.sampler import SampleOutput
-from deepinfer.serve.engine.speculative import SpeculativeConfig, speculatable
 from deepinfer.serve.engine.scheduler import GRANULE, Scheduler, prefill_passes
+from deepinfer.serve.engine.speculative import SpeculativeConfig, speculatable
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
 
@@ -113,6 +118,8 @@ class LLMEngine:
             raise ValueError(f"keep_tokens ({engine_config.keep_tokens}) must cover the sliding window "
                              f"({config.sliding_window})")
         self.speculative = engine_config.speculative
+        # speculative steps are read before the next is planned (speculative.py: not overlapped yet)
+        self.async_scheduling = engine_config.async_scheduling and self.speculative is None
         if self.speculative is not None:
             if not has_drafter(params, config):
                 raise ValueError("speculative: method 'dspark' needs the checkpoint's DSpark drafter (mtp.* of a "
@@ -232,7 +239,7 @@ class LLMEngine:
                 self.runner.write_sampling(request.slot, self._slot_row(request))
                 self._sampling_slots.add(request.slot)
         sampled = self._dispatch(plan)
-        if self.engine_config.async_scheduling and self.speculative is None:
+        if self.async_scheduling:
             to_read, self._in_flight = self._in_flight, sampled
         else:
             to_read = sampled

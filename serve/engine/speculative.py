@@ -31,9 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.drafter import draft_hidden, propose
-from deepinfer.model.kv_cache import CacheLayout, KVCache, decode
-from deepinfer.model.params import compute_dtype
+from deepinfer.model.drafter import draft_from_cache
+from deepinfer.model.kv_cache import CacheLayout, KVCache
 from deepinfer.model.rollback import roll_back
 from deepinfer.model.step import StepBatch, verify_body
 from deepinfer.pallas_kernels.registry import KernelConfig
@@ -114,16 +113,6 @@ class VerifyOutput:
     drafts: jax.Array
 
 
-def _draft(params: dict, config: ModelConfig, layout: CacheLayout, cache: KVCache, slots: jax.Array,
-           anchor: jax.Array, anchor_pos: jax.Array, floor: jax.Array, kernels: KernelConfig | None) -> jax.Array:
-    """Greedy drafts `[B, N]` from the drafter rings (as `model.drafter.draft_from_cache`)."""
-    L = config.num_hidden_layers
-    ctx = [decode("window", tuple(w[L + i, slots] for w in cache.window), compute_dtype(config))
-           for i in range(layout.draft_rings)]
-    hidden = draft_hidden(params, config, ctx, cache.window_pos[slots], anchor, anchor_pos, floor, kernels)
-    return propose(params, config, hidden, anchor)["tokens"]
-
-
 def verify_and_draft(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
                      num_drafts: jax.Array, *, config: ModelConfig, layout: CacheLayout,
                      kernels: KernelConfig | None = None,
@@ -157,5 +146,6 @@ def verify_and_draft(params: dict, cache: KVCache, state: SamplingState, batch: 
         output_counts=state.output_counts.at[at, targets].add(1, mode="drop"))
 
     anchor_pos = batch.positions[:, 0] + accepted + 1
-    drafts = _draft(params, config, layout, cache, batch.slots, newest, anchor_pos, batch.floor, kernels)
+    drafts = draft_from_cache(params, config, layout, cache, batch.slots, newest, anchor_pos, batch.floor,
+                              kernels)["tokens"]
     return cache, state, VerifyOutput(targets, first, accepted, drafts), counts
