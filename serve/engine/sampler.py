@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from deepinfer.serve.engine import placeholders
 from deepinfer.serve.engine.sampling_state import SamplingState
 
-__all__ = ["BLOCK", "SampleOutput", "SampleRows", "Sampler", "blocked_argmax", "gumbel", "process_logits",
+__all__ = ["BLOCK", "SampleOutput", "SampleRows", "Sampler", "blocked_argmax", "draw", "gumbel", "process_logits",
            "row_keys", "sample", "truncate"]
 
 BLOCK = 256
@@ -141,7 +141,7 @@ def blocked_argmax(x: jax.Array) -> jax.Array:
     return b * BLOCK + _first_argmax(_pick(blocks, b))
 
 
-def _draw(scaled: jax.Array, keys: jax.Array) -> jax.Array:
+def draw(scaled: jax.Array, keys: jax.Array) -> jax.Array:
     """Two-level Gumbel-max over `scaled [B, V]` (-inf: excluded) with per-row noise `keys`."""
     blocks = _blocks(scaled)
     top = jnp.max(blocks, axis=-1)
@@ -247,7 +247,7 @@ def sample(logits: jax.Array, state: SamplingState, slots: jax.Array, rows: Samp
 
         def draw(x):
             scaled = x / jnp.where(is_random, p["temperature"], 1.0)[:, None]
-            return _draw(truncate(scaled, p, live), row_keys(p["seed"], rows.position))
+            return draw(truncate(scaled, p, live), row_keys(p["seed"], rows.position))
 
         drawn = jax.lax.cond(jnp.any(live), draw, lambda x: greedy, processed)
         tokens = jnp.where(is_random, drawn, greedy).astype(jnp.int32)
