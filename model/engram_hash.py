@@ -379,6 +379,26 @@ class EngramHasher:
         return np.stack([(words >> np.uint64(32)).astype(np.uint32), (words & np.uint64(0xFFFFFFFF)).astype(np.uint32)],
                         axis=-1)
 
+    def draft_folds(self, history: np.ndarray | Sequence[int] | None, k: int) -> np.ndarray:
+        """What the device needs to hash k draft tokens it has not told the host (speculative
+        decoding): for the drafts at 1..k positions after the last token of `history` (the
+        anchor, compressed ids as for `hash_ids`), the XOR fold of the products of the shifts
+        that reach the host's tokens: for draft j and n-gram n (shifts 0..n), `XOR_{s=j..n}
+        c_s * m_s` (0 when n < j), uint32 `[k, n_layers, N - 1, 2]` (high word, low word). The
+        drafts' own products are the device's (`engram_hash_device.hash_drafts`)."""
+        hist = self._history_row(history)[::-1]  # offset o = shift j + o of draft j
+        blocked = np.cumsum(hist == DEAD) > 0  # sticky, as in `_hash_extended` (drafts are never DEAD)
+        shifted = np.where(blocked, self.pad_id, hist)
+        folds = np.zeros((k, self.n_layers, self.max_ngram - 1), np.uint64)
+        for j in range(1, k + 1):
+            acc = np.zeros(self.n_layers, np.int64)
+            for s in range(1, self.max_ngram):  # fold index s-1 covers shifts 0..s
+                if s >= j:
+                    acc = acc ^ (shifted[s - j] * self.multipliers[:, s])
+                folds[j - 1, :, s - 1] = acc.astype(np.uint64)
+        return np.stack([(folds >> np.uint64(32)).astype(np.uint32), (folds & np.uint64(0xFFFFFFFF)).astype(np.uint32)],
+                        axis=-1)
+
     def lookback(
         self,
         token_ids: np.ndarray,

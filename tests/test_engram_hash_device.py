@@ -10,7 +10,7 @@ import pytest
 
 from deepinfer.model.config import DEEPSEEK_V41_FLASH, TINY_V41
 from deepinfer.model.engram_hash import hasher_for
-from deepinfer.model.engram_hash_device import _mod_64, _mul_32x32, hash_pending
+from deepinfer.model.engram_hash_device import _mod_64, _mul_32x32, hash_drafts, hash_pending
 
 EDGES = [0, 1, 2, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF]
 
@@ -46,3 +46,20 @@ def test_pending_token_rows_equal_the_host_hash(config):
     last = np.array([s[-1] for s in sequences], np.int32)
     got = jax.jit(hash_pending, static_argnums=0)(config, jnp.asarray(last), jnp.asarray(folds))
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("config", [TINY_V41, DEEPSEEK_V41_FLASH], ids=["tiny-v4.1", "v4.1-flash"])
+def test_draft_rows_equal_the_host_hash(config):
+    """Rows of 1..7 drafts after sequences of 1..6 known tokens (the look-back reaches the
+    sequence start and, for later drafts, only other drafts), vocabulary edges included."""
+    hasher = hasher_for(config)
+    rng = np.random.default_rng(2)
+    vocab = hasher.vocab_size
+    for k in (1, 2, 7):
+        known = [rng.integers(0, vocab, n) for n in (1, 2, 3, 6) for _ in range(4)]
+        drafts = rng.integers(0, vocab, (len(known), k)).astype(np.int32)
+        drafts[0, 0], drafts[1, -1] = 0, vocab - 1
+        want = np.stack([hasher.hash_ids(np.concatenate([s, d]))[len(s):] for s, d in zip(known, drafts)])
+        folds = np.stack([hasher.draft_folds(hasher.compress(s), k) for s in known])
+        got = jax.jit(hash_drafts, static_argnums=0)(config, jnp.asarray(drafts), jnp.asarray(folds))
+        np.testing.assert_array_equal(np.asarray(got), want)
