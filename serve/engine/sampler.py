@@ -245,11 +245,11 @@ def sample(logits: jax.Array, state: SamplingState, slots: jax.Array, rows: Samp
         is_random = p["temperature"] > 0
         live = rows.emit & is_random
 
-        def draw(x):
+        def draw_random(x):
             scaled = x / jnp.where(is_random, p["temperature"], 1.0)[:, None]
             return draw(truncate(scaled, p, live), row_keys(p["seed"], rows.position))
 
-        drawn = jax.lax.cond(jnp.any(live), draw, lambda x: greedy, processed)
+        drawn = jax.lax.cond(jnp.any(live), draw_random, lambda x: greedy, processed)
         tokens = jnp.where(is_random, drawn, greedy).astype(jnp.int32)
 
         out = SampleOutput(tokens=tokens)
