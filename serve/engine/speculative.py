@@ -16,10 +16,10 @@ token, for the host to send with the next step.
 
 What is built: fixed-k verification of greedy requests without logit processing
 (`speculatable`), synchronous (the host reads a verify step before planning the next), on one
-device. Not yet: verifying sampled requests (the lossless rule is `acceptance.accept`, not wired
-in: the drafter draws greedily), requests with penalties, logit bias, min_tokens or logprobs (they decode one token
-per step in the same program), confidence-scheduled variable-length verification, overlap with
-asynchronous scheduling and the mesh step.
+device. Not yet: verifying sampled requests (the lossless rule is `acceptance.accept`, not
+wired in: the drafter draws greedily), requests with penalties, logit bias, min_tokens or
+logprobs (they decode one token per step in the same program), confidence-scheduled
+variable-length verification, overlap with asynchronous scheduling and the mesh step.
 """
 
 from __future__ import annotations
