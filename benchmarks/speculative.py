@@ -35,9 +35,9 @@ def run(engine: LLMEngine, prompts, sampling, oracle: dict | None = None, tag: s
     while engine.has_unfinished():
         if oracle is not None:
             for rid, request in engine.requests.items():
-                if request.drafts:
+                if request.output_ids:  # decoding: the engine checks these instead of the drafter's
                     n = len(request.output_ids)
-                    request.drafts = list(oracle[rid[len(tag):]][n:n + len(request.drafts)])
+                    request.host_drafts = list(oracle[rid[len(tag):]][n:n + engine.speculative.num_speculative_tokens])
         for o in engine.step():
             outputs[o.request_id[len(tag):]] = o.outputs[0].token_ids
         steps += 1

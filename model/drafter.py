@@ -15,13 +15,14 @@ speculator).
   from the last block's `norm` and the SHARED `head`; position j predicts token p+j+1, biased by
   the Markov head from the token drafted before it (the anchor for j = 0).
 
-Drafting is greedy here; sampling, verification and the confidence-scheduled planner belong to
-the speculative-decoding loop.
+`propose` drafts greedily unless given a `pick` (how the speculative-decoding loop draws sampled
+drafts: `serve/engine/speculative.py`); verification and the planner belong to that loop.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -113,9 +114,17 @@ def draft_hidden(params: dict, config: ModelConfig, ctx_kv: list[jax.Array], ctx
     return hc_collapse(streams, pre)
 
 
-def propose(params: dict, config: ModelConfig, head_hidden: jax.Array, anchor: jax.Array) -> dict:
-    """Greedy drafts through the Markov chain: `tokens [B, N]`, their `logits [B, N, vocab]`
-    (base + Markov bias, fp32) and `confidence [B, N]` (predicted acceptance, sigmoid)."""
+def greedy_pick(logits: jax.Array, j: int) -> tuple[jax.Array, jax.Array]:
+    """Position j's draft from its logits `[B, V]`: the argmax (and nothing to keep: `[B, 0]`)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits[:, :0]
+
+
+def propose(params: dict, config: ModelConfig, head_hidden: jax.Array, anchor: jax.Array,
+            pick: Callable = greedy_pick) -> dict:
+    """Drafts through the Markov chain: `tokens [B, N]`, their `logits [B, N, vocab]` (base +
+    Markov bias, fp32), `confidence [B, N]` (predicted acceptance, sigmoid) and `picked [B, N,
+    vocab]`: what `pick(logits [B, V], j) -> (token [B], picked [B, V])` drew each draft from
+    (the greedy default takes the argmax and keeps nothing: `[B, N, 0]`)."""
     last = params["mtp"][-1]
     base = linear(rms_norm(head_hidden, last["norm"], config.rms_norm_eps), params["head"]).astype(jnp.float32)
     markov, proj = last["markov_head"], last["confidence_head"]["proj"]
@@ -124,14 +133,14 @@ def propose(params: dict, config: ModelConfig, head_hidden: jax.Array, anchor: j
     def step(prev, j):
         m = gather_rows(markov["embed"], prev, jnp.float32)  # [B, r]
         logits = base[:, j] + linear(m, markov["head"])
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        token, picked = pick(logits, j)
         confidence = jax.nn.sigmoid(linear(jnp.concatenate([hidden[:, j], m], axis=-1), proj)[:, 0])
-        return token, (token, logits, confidence)
+        return token, (token, logits, confidence, picked)
 
-    _, (tokens, logits, confidence) = jax.lax.scan(step, anchor.astype(jnp.int32),
-                                                    jnp.arange(config.dspark_block_size))
+    _, (tokens, logits, confidence, picked) = jax.lax.scan(step, anchor.astype(jnp.int32),
+                                                            jnp.arange(config.dspark_block_size))
     return {"tokens": tokens.T, "logits": jnp.moveaxis(logits, 0, 1), "confidence": confidence.T,
-            "head_hidden": head_hidden}
+            "picked": jnp.moveaxis(picked, 0, 1), "head_hidden": head_hidden}
 
 
 @partial(jax.jit, static_argnames=("config", "kernels"))
@@ -161,17 +170,25 @@ def draft_after(params: dict, config: ModelConfig, token_ids, anchor, *, kernels
                             jnp.asarray(anchor, jnp.int32), kernels)
 
 
-@partial(jax.jit, static_argnames=("config", "layout", "kernels"))
-def draft_from_cache(params: dict, config: ModelConfig, layout: CacheLayout, cache: KVCache, slots: jax.Array,
-                     anchor: jax.Array, anchor_pos: jax.Array, floor: jax.Array | None = None,
-                     kernels: KernelConfig | None = None) -> dict:
+def draft_block(params: dict, config: ModelConfig, layout: CacheLayout, cache: KVCache, slots: jax.Array,
+                anchor: jax.Array, anchor_pos: jax.Array, floor: jax.Array | None = None,
+                kernels: KernelConfig | None = None, pick: Callable = greedy_pick) -> dict:
     """Drafts for the sequences in cache `slots [B]` from their drafter rings: the target has
-    processed positions < `anchor_pos [B]` and sampled `anchor [B]`. Equals `draft_after` on the
-    whole sequences (the engine tests check it)."""
+    processed positions < `anchor_pos [B]` and sampled `anchor [B]`. Returns `propose`'s dict
+    (drafted with `pick`); traced inside the caller's program."""
     if not layout.draft_rings:
         raise ValueError("this cache keeps no drafter rings (CacheLayout.draft_rings == 0)")
     L = config.num_hidden_layers
     ctx = [decode("window", tuple(w[L + i, slots] for w in cache.window), compute_dtype(config))
            for i in range(layout.draft_rings)]
     hidden = draft_hidden(params, config, ctx, cache.window_pos[slots], anchor, anchor_pos, floor, kernels)
-    return propose(params, config, hidden, anchor)
+    return propose(params, config, hidden, anchor, pick)
+
+
+@partial(jax.jit, static_argnames=("config", "layout", "kernels"))
+def draft_from_cache(params: dict, config: ModelConfig, layout: CacheLayout, cache: KVCache, slots: jax.Array,
+                     anchor: jax.Array, anchor_pos: jax.Array, floor: jax.Array | None = None,
+                     kernels: KernelConfig | None = None) -> dict:
+    """Greedy `draft_block` as its own program. Equals `draft_after` on the whole sequences
+    (the engine tests check it)."""
+    return draft_block(params, config, layout, cache, slots, anchor, anchor_pos, floor, kernels)

@@ -543,7 +543,10 @@ class LLM:
         `vllm:generation_tokens`, `vllm:num_preemptions`, `vllm:request_success` ({finish reason:
         count}); histogram samples (lists, seconds or tokens) `vllm:time_to_first_token_seconds`,
         `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds`,
-        `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`.
+        `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`. With speculative decoding,
+        vLLM's spec-decode counters too: `vllm:spec_decode_num_drafts`,
+        `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
+        `vllm:spec_decode_num_accepted_tokens_per_pos` ({position: count}).
         """
         with self._lock:
             self._count_prompts()
@@ -559,6 +562,8 @@ class LLM:
             }
             for name, samples in self._samples.items():
                 metrics[name] = list(samples)
+            if self.engine.spec_counts is not None:
+                metrics.update(self.engine.spec_counts.metrics())
         return metrics
 
     def start_profile(self, log_dir: str | os.PathLike) -> None:

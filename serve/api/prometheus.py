@@ -18,6 +18,26 @@ class MetricValues:
     counters: dict[str, tuple[str, float]] = field(default_factory=dict)
     success: dict[str, int] = field(default_factory=dict)
     histograms: dict[str, tuple[str, tuple[float, ...], list[int], float]] = field(default_factory=dict)
+    # name -> (help, label name, {label value: count}): counters with one label of their own
+    labelled: dict[str, tuple[str, str, dict[str, float]]] = field(default_factory=dict)
+
+
+SPEC_DECODE = {
+    "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+}
+SPEC_DECODE_PER_POS = ("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                       "position")
+
+
+def spec_decode_values(metrics: dict) -> tuple[dict, dict]:
+    """The spec-decode counters of an `LLM.get_metrics()`-style dict as `MetricValues.counters`
+    and `.labelled` entries (both empty without speculative decoding)."""
+    counters = {name: (doc, metrics[name]) for name, doc in SPEC_DECODE.items() if name in metrics}
+    name, doc, label = SPEC_DECODE_PER_POS
+    labelled = {name: (doc, label, metrics[name])} if name in metrics else {}
+    return counters, labelled
 
 
 def bucket_counts(bounds, samples) -> list[int]:
@@ -52,6 +72,11 @@ def metrics_registry(scrape: Callable[[], MetricValues], model_name: str):
             for reason, count in sorted(m.success.items()):
                 c.add_metric([*values, reason], float(count))
             yield c
+            for name, (doc, label, counts) in m.labelled.items():
+                c = CounterMetricFamily(name, doc, labels=[*labels, label])
+                for key, count in counts.items():
+                    c.add_metric([*values, str(key)], float(count))
+                yield c
             for name, (doc, bounds, counts, total) in m.histograms.items():
                 cumulative, buckets = 0, []
                 for bound, count in zip(bounds, counts):

@@ -22,8 +22,9 @@ runs the steps in the order they were dispatched (each takes the cache the previ
 so a page or slot freed while a step that writes it is in flight is only reused after it.
 
 DSpark speculative decoding (`EngineConfig.speculative`, `speculative.py`): the decodes run as one
-verify step that checks each request's drafts (`Request.drafts`, proposed by the step before),
-gains the accepted ones and the target's next token, and drafts the next block. Such an engine
+verify step in which the drafter proposes each request's next block, the target verifies it and
+the request gains the accepted drafts and one more token. The host only chooses how many drafts
+each request verifies (`Request.lookahead`, whose pages the scheduler reserves). Such an engine
 reads each step before planning the next.
 """
 
@@ -47,7 +48,7 @@ from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples, StepSampling, token_bucket
 from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.scheduler import GRANULE, Scheduler, prefill_passes
-from deepinfer.serve.engine.speculative import SpeculativeConfig, speculatable
+from deepinfer.serve.engine.speculative import SpecDecodeCounts, SpeculativeConfig, speculatable
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
 
@@ -143,7 +144,8 @@ class LLMEngine:
                                                     interval=engine_config.eplb_interval)
             self.runner.apply_expert_layout(*self.balancer.initial(), self.balancer.max_replicas)
         self.scheduler = Scheduler(self.cache, prefill_chunk=engine_config.prefill_chunk,
-                                   max_num_batched_tokens=engine_config.max_num_batched_tokens)
+                                   max_num_batched_tokens=engine_config.max_num_batched_tokens,
+                                   lookahead=self._lookahead)
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         self._seeds = np.random.default_rng(engine_config.seed)  # of requests without one
@@ -153,6 +155,9 @@ class LLMEngine:
         self._ready: list[RequestOutput] = []  # finished by `sync()`, returned by the next step
         # spec_*: drafts sent for verification and accepted (speculative decoding)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "spec_drafts": 0, "spec_accepted": 0}
+        # vLLM's spec-decode counters (`SpecDecodeCounts.metrics`); None without speculative decoding
+        self.spec_counts = None if self.speculative is None else SpecDecodeCounts(
+            self.speculative.num_speculative_tokens)
         self.warmed_shapes: set = set()  # step shapes `serve.engine.warmup.warm_up` compiled
 
     # ---- requests ----------------------------------------------------------------------
@@ -417,32 +422,42 @@ class LLMEngine:
         return False
 
     # ---- speculative decoding ------------------------------------------------------------
+    def _lookahead(self, request: Request) -> int:
+        """Drafts `request`'s next verify step checks: `num_speculative_tokens`, fewer near its
+        max_tokens or the context's end (the step gains at most lookahead + 1 tokens), none when
+        it does not speculate (`speculatable`) or speculative decoding is off."""
+        if self.speculative is None or not speculatable(request.params, len(request.output_ids)):
+            return 0
+        room = self.cache.layout.max_len - request.length
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - len(request.output_ids))
+        return max(0, min(self.speculative.num_speculative_tokens, room - 1))
+
     def _verify(self, requests: list[Request]) -> list[Request]:
         """One DSpark verify step over the decoding requests (`speculative.py`), read at once:
-        each gains its accepted drafts and the target's next token, checked against the stop
-        rules token by token (tokens after a stop are dropped), and keeps the drafter's next
-        block for the next step. Returns the requests that finished."""
+        each gains its accepted drafts and one more token, checked against the stop rules token
+        by token (tokens after a stop are dropped). Returns the requests that finished."""
         k = self.speculative.num_speculative_tokens
-        max_len = self.cache.layout.max_len
-        work, num_drafts = [], []
-        for r in requests:
-            limit = r.params.max_tokens
-            room = min(max_len - r.length, (limit - len(r.output_ids)) if limit is not None else max_len) - 1
-            drafts = r.drafts[:max(0, room)] if speculatable(r.params) else []
-            tokens = np.concatenate([r.ids(r.length - 1, r.length), np.asarray(drafts, np.int32)])
-            work.append(ChunkWork(r.slot, tokens, r.length - 1, self._lookback(r, r.length - 1), r.floor))
-            num_drafts.append(len(drafts))
-        out = self.runner.verify(work, self.cache.page_table, num_drafts, tokens=k + 1,
+        work = [ChunkWork(r.slot, r.ids(r.length - 1, r.length), r.length - 1, self._lookback(r, r.length - 1), r.floor)
+                for r in requests]
+        host = []
+        for r in requests:  # host drafts (used once) may be fewer than the pages reserved for
+            if r.host_drafts is not None:
+                r.host_drafts = [int(t) for t in r.host_drafts[:r.lookahead]]
+                r.lookahead = len(r.host_drafts)
+            host.append(r.host_drafts)
+            r.host_drafts = None
+        out = self.runner.verify(work, self.cache.page_table, [r.lookahead for r in requests], host, tokens=k + 1,
                                  sample=self._step_sampling(requests, [True] * len(requests)))
         finished = []
         for i, request in enumerate(requests):
-            accepted = int(out.accepted[i])
+            accepted, count = int(out.accepted[i]), int(out.count[i])
             request.computed += 1 + accepted  # the anchor and the accepted drafts are in the cache
-            request.drafts = [int(t) for t in out.drafts[i, :k]] if speculatable(request.params) else []
-            self.stats["spec_drafts"] += num_drafts[i]
+            self.stats["spec_drafts"] += request.lookahead
             self.stats["spec_accepted"] += accepted
-            if num_drafts[i]:
-                gained = [(int(t), None) for t in out.tokens[i, :accepted + 1]]
+            self.spec_counts.record(request.lookahead, accepted)
+            if request.lookahead:
+                gained = [(int(t), None) for t in out.tokens[i, :count]]
             else:
                 gained = [(int(out.sampled.tokens[i]), _row(out.sampled, i))]
             for token, row in gained:

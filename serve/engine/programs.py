@@ -28,7 +28,7 @@ from deepinfer.model.step import step_body
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine.device_step import step_and_sample
 from deepinfer.serve.engine.sampler import Sampler
-from deepinfer.serve.engine.speculative import verify_and_draft
+from deepinfer.serve.engine.speculative import verify_step
 
 __all__ = ["StepPrograms", "engine_step", "forward_step", "memory_maps", "release_unused", "step_programs"]
 
@@ -36,7 +36,7 @@ __all__ = ["StepPrograms", "engine_step", "forward_step", "memory_maps", "releas
 class StepPrograms:
     """The jitted steps of one family: `forward(params, cache, batch, all_logits=, decoder=)`
     (cache donated), `sample(params, cache, state, batch, rows, head=)` and the DSpark
-    `verify(params, cache, state, batch, rows, num_drafts, head=)` (cache and sampling state
+    `verify(params, cache, state, batch, rows, drafts_in, head=)` (cache and sampling state
     donated)."""
 
     def __init__(self, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None):
@@ -45,7 +45,7 @@ class StepPrograms:
         self.forward = jax.jit(partial(step_body, **bound), static_argnames=("all_logits", "decoder"),
                                donate_argnums=(1,))
         self.sample = jax.jit(partial(step_and_sample, **bound), static_argnames=("head",), donate_argnums=(1, 2))
-        self.verify = jax.jit(partial(verify_and_draft, **bound), static_argnames=("head",), donate_argnums=(1, 2))
+        self.verify = jax.jit(partial(verify_step, **bound), static_argnames=("head",), donate_argnums=(1, 2))
 
 
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # families some runner holds

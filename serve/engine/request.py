@@ -41,9 +41,11 @@ class Request:
     # the token read, stop rules applied, else it ends with this finish reason ("length")
     closing: str | None = None
     floor: int = 0  # decoder replay start (compact prefill); set when the prefill starts
-    # DSpark drafts of the tokens after the last one, proposed by the previous verify step: the
-    # next step verifies them (speculative decoding; the scheduler reserves their pages)
-    drafts: list[int] = field(default_factory=list)
+    # speculative decoding: the drafts its next verify step checks (set by the scheduler, which
+    # reserves their pages) and, when not None, drafts proposed on the host to check instead of
+    # the drafter's (tests' oracle drafts; used once)
+    lookahead: int = 0
+    host_drafts: list[int] | None = None
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0

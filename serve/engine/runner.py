@@ -34,7 +34,7 @@ from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
-from deepinfer.serve.engine.speculative import VerifyOutput
+from deepinfer.serve.engine.speculative import DraftInputs, VerifyOutput
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -344,33 +344,57 @@ class ModelRunner:
             log.info("compiled %s step for %d rows x %d tokens x %d pages%s in %.2f s (first call, incl. run)",
                      key[0], key[1], key[2], key[3], note, self.compile_seconds[key])
 
-    def verify(self, work: list[ChunkWork], page_table: np.ndarray, num_drafts: list[int], *, tokens: int,
-               sample: StepSampling) -> VerifyOutput:
-        """One DSpark verify step (`speculative.verify_and_draft`) over decode rows of an anchor
-        and `num_drafts` drafts each, padded to all slots x `tokens`; waits for it and returns
-        its `VerifyOutput` on the host, rows in `work`'s order."""
+    def verify(self, work: list[ChunkWork], page_table: np.ndarray, num_drafts: list[int],
+               host_drafts: list[list[int] | None], *, tokens: int, sample: StepSampling) -> VerifyOutput:
+        """One DSpark verify step (`speculative.verify_step`) over decode rows (`work`: each
+        request's anchor), with `num_drafts` drafts each (the drafter's, or `host_drafts` where
+        not None), padded to all slots x `tokens` (the anchor and room for the most drafts);
+        waits for it and returns its `VerifyOutput` on the host, rows in `work`'s order."""
         if self.mesh_step is not None:
             raise ValueError("speculative decoding runs on one device for now: build the engine without a mesh")
         if not self.layout.draft_rings:
             raise ValueError("speculative decoding needs the drafter rings (CacheLayout.draft_rings)")
-        batch, row_of, _, n_pages = self._batch(work, page_table, self.layout.slots_per_rank, tokens)
+        K = tokens - 1
+        # each row: the anchor, then a stand-in for each draft (the device writes the drafts)
+        rows_work = [ChunkWork(w.slot, np.concatenate([w.tokens[:1], np.zeros(n, np.int32)]), w.start, w.history,
+                               w.floor) for w, n in zip(work, num_drafts)]
+        batch, row_of, _, n_pages = self._batch(rows_work, page_table, self.layout.slots_per_rank, tokens)
         B = batch.tokens.shape[0]
-        head = Sampler(sample.num_logprobs)
         emit = np.zeros((B,), np.bool_)
         emit[row_of] = sample.emit
-        drafts = np.zeros((B,), np.int32)
-        drafts[row_of] = num_drafts
+        drafts_in = DraftInputs(np.zeros((B,), np.int32), np.zeros((B, K), np.int32), np.zeros((B,), np.bool_),
+                                self._draft_folds(work, row_of, B, K))
+        for b, n, host in zip(row_of, num_drafts, host_drafts):
+            drafts_in.num_drafts[b] = n
+            if host is not None:
+                if len(host) != n:
+                    raise ValueError(f"{len(host)} host drafts for a row that verifies {n}")
+                drafts_in.host_drafts[b, :n] = host
+                drafts_in.use_host[b] = True
         rows = SampleRows(emit, batch.positions[:, 0] + 1)  # the anchor's next position
+        head = Sampler(sample.num_logprobs)
         key = step_key("verify", B, tokens, n_pages, False, True, head)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation("verify"):
-            args = jax.tree.map(jnp.asarray, (batch, rows, drafts))
+            args = jax.tree.map(jnp.asarray, (batch, rows, drafts_in))
             self.cache, self.sampling, out, counts = self._programs.verify(self.params, self.cache, self.sampling,
                                                                            *args, head=head)
             out, counts = jax.device_get((out, counts))
         self.expert_load += counts
         self._record(key, start)
         return jax.tree.map(lambda a: a[row_of], out)
+
+    def _draft_folds(self, work: list[ChunkWork], row_of: list[int], B: int, K: int) -> np.ndarray | None:
+        """The host's part of the Engram folds of K drafts after each row's anchor
+        (`EngramHasher.draft_folds`), `[B, K, ...]`; None without Engram."""
+        if not self.config.engram_layer_ids:
+            return None
+        hasher = hasher_for(self.config)
+        folds = np.zeros((B, K, hasher.n_layers, hasher.max_ngram - 1, 2), np.uint32)
+        for b, w in zip(row_of, work):
+            context = np.concatenate([w.history, w.tokens[:1]])
+            folds[b] = hasher.draft_folds(hasher.compress(context), K)
+        return folds
 
     def read_counts(self) -> np.ndarray:
         """`expert_load` with the counts of deferred encoder-only passes added (waits for them)."""

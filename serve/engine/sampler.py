@@ -50,7 +50,7 @@ from deepinfer.serve.engine import placeholders
 from deepinfer.serve.engine.sampling_state import SamplingState
 
 __all__ = ["BLOCK", "SampleOutput", "SampleRows", "Sampler", "blocked_argmax", "draw", "gumbel", "process_logits",
-           "row_keys", "sample", "truncate"]
+           "row_keys", "sample", "slot_settings", "truncate"]
 
 BLOCK = 256
 """Tokens per block of the two-level draw."""
@@ -156,7 +156,7 @@ def draw(scaled: jax.Array, keys: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------- processing
 
 
-def _rows(state: SamplingState, slots: jax.Array) -> dict[str, jax.Array]:
+def slot_settings(state: SamplingState, slots: jax.Array) -> dict[str, jax.Array]:
     """The per-slot scalars and lists of each row (the dense history stays where it is)."""
     names = [f.name for f in dataclasses.fields(state) if f.name not in ("output_counts", "prompt_seen")]
     return {name: getattr(state, name)[slots] for name in names}
@@ -170,7 +170,7 @@ def process_logits(logits: jax.Array, state: SamplingState, slots: jax.Array, em
     """Steps 1-2: float32 logits with bias, min_tokens bans and penalties applied."""
     logits = logits.astype(jnp.float32)
     B, V = logits.shape
-    p = _rows(state, slots)
+    p = slot_settings(state, slots)
     rows = jnp.arange(B, dtype=jnp.int32)[:, None]
     bans = jnp.where((p["num_output"] < p["min_tokens"])[:, None], p["ban_ids"], -1)
     ids = jnp.concatenate([p["bias_ids"], bans], axis=1)
@@ -240,7 +240,7 @@ def sample(logits: jax.Array, state: SamplingState, slots: jax.Array, rows: Samp
         # projection inside the sampler's full-vocabulary passes (measured: ~20 % of a CPU step)
         raw = jax.lax.optimization_barrier(logits.astype(jnp.float32))
         processed = process_logits(raw, state, slots, rows.emit)
-        p = _rows(state, slots)
+        p = slot_settings(state, slots)
         greedy = blocked_argmax(processed)
         is_random = p["temperature"] > 0
         live = rows.emit & is_random

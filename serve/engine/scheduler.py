@@ -18,6 +18,7 @@ output so far).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,13 +68,17 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, *, prefill_chunk: int = 512, max_num_batched_tokens: int = 2048):
+    def __init__(self, cache: CacheManager, *, prefill_chunk: int = 512, max_num_batched_tokens: int = 2048,
+                 lookahead: Callable[[Request], int] = lambda request: 0):
+        """`lookahead(request)`: the drafts a decoding request's next step would verify
+        (speculative decoding), whose pages it reserves besides the anchor's."""
         if prefill_chunk % GRANULE:
             raise ValueError(f"prefill_chunk must be a multiple of {GRANULE}, got {prefill_chunk}")
         check_token_budget(max_num_batched_tokens, cache.layout.slots_per_rank)
         self.cache = cache
         self.prefill_chunk = prefill_chunk
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.lookahead = lookahead
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -118,9 +123,10 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.arrival_order):
             if request.to_feed != 1 or request not in self.running:
                 continue
-            if request.drafts and not self.cache.can_allocate(request.length + len(request.drafts), request.slot):
-                request.drafts = []  # no pages for verifying its drafts: it decodes one token
-            need = request.length + len(request.drafts)
+            request.lookahead = self.lookahead(request)
+            if request.lookahead and not self.cache.can_allocate(request.length + request.lookahead, request.slot):
+                request.lookahead = 0  # no pages for verifying drafts: it decodes one token
+            need = request.length + request.lookahead
             while not self.cache.can_allocate(need, request.slot):
                 if not self._preempt(plan, keep=request):
                     break
@@ -145,7 +151,7 @@ class Scheduler:
         used = [0] * self.cache.layout.dp
         chunks: list[list[int]] = [[] for _ in range(self.cache.layout.dp)]  # chunk lengths per rank
         for request in plan.decode:
-            used[self.cache.rank_of(request.slot)] += 1 + len(request.drafts)
+            used[self.cache.rank_of(request.slot)] += 1 + request.lookahead
         for request in sorted(self.running, key=lambda r: r.arrival_order):
             if request.to_feed <= 1:
                 continue

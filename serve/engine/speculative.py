@@ -1,25 +1,34 @@
-"""DSpark speculative decoding: verify each decoding request's drafts in one target step, keep
-the accepted ones, and draft the next block, all in one device program
-(engine-features.md §2; the drafter: `model.drafter`; the rollback: `model.rollback`).
+"""DSpark speculative decoding: draft, verify and accept in one device program
+(engine-features.md §2; the drafter: `model.drafter`; the acceptance rule: `acceptance.py`; the
+rollback: `model.rollback`).
 
 A verify row holds the request's anchor (its last sampled token, not in the cache yet) at
-position p and its ℓ drafts at p+1 .. p+ℓ (0 <= ℓ <= `num_speculative_tokens`; padding after).
-The target runs over the whole row (`model.step.verify_body`); draft j is accepted while every
-draft before it was, and it equals the target's greedy token at p+j-1 (`blocked_argmax`, the
-sampler's own greedy, ties to the lowest id). With `a` accepted, the request gains the a drafts
-and the target's token after them (the bonus token when a = ℓ, the correction otherwise): a+1
-tokens from one step; the cache keeps the anchor and the accepted drafts (`roll_back` undoes
-the rest). A row without drafts (ℓ = 0: a request that just finished its prefill, or one that
-does not speculate) samples its one token with the sampler exactly as a decode step does.
-The drafter then proposes the next block from the rolled-back cache, anchored at the new last
-token, for the host to send with the next step.
+position p and room for ℓ drafts at p+1 .. p+ℓ (0 <= ℓ <= `num_speculative_tokens`, chosen by
+the host; padding after). The program
 
-What is built: fixed-k verification of greedy requests without logit processing
-(`speculatable`), synchronous (the host reads a verify step before planning the next), on one
-device. Not yet: verifying sampled requests (the lossless rule is `acceptance.accept`, not
-wired in: the drafter draws greedily), requests with penalties, logit bias, min_tokens or
-logprobs (they decode one token per step in the same program), confidence-scheduled
-variable-length verification, overlap with asynchronous scheduling and the mesh step.
+1. drafts: the drafter reads the row's context from its rings (positions < p) and proposes the
+   block after the anchor, left to right through the Markov head: the argmax for greedy
+   requests, a draw from q = the request's temperature and truncation applied to the drafter's
+   logits for sampled ones (noise keyed by seed and position, `acceptance.DRAFT_STREAM`). Drafts
+   the host proposed instead (`DraftInputs.host_drafts`: tests' oracle drafts) are certain
+   (one-hot q). The drafts' Engram rows are hashed on the device (`hash_drafts`), so the host
+   never sees a draft before it is accepted;
+2. verifies: the target runs over [anchor, drafts] (`model.step.verify_body`) and each position's
+   target distribution p is the request's own (logit bias, temperature, min-p, top-k, top-p:
+   `sampler.process_logits` / `truncate`);
+3. accepts losslessly (`acceptance.accept`: min(1, p/q), a residual draw at the first rejection,
+   the bonus token after the last draft; greedy rows keep the drafts equal to the target's argmax);
+   the request gains the a accepted drafts and one more token, and the cache keeps the anchor and
+   the accepted drafts (`roll_back` undoes the rest).
+
+A row with ℓ = 0 (a request that does not speculate) samples its one token with the plain
+sampler, exactly as a decode step does (same noise, logprobs when asked).
+
+What is built: fixed-k verification of greedy and sampled requests whose logits do not depend on
+the tokens before them in the block (`speculatable`: no penalties, no min_tokens bans left, no
+logprobs), synchronous, on one device. Not yet: per-position penalties and logprobs, the
+confidence-scheduled variable-length verification, overlap with asynchronous scheduling and the
+mesh step.
 """
 
 from __future__ import annotations
@@ -31,23 +40,25 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer.model.config import ModelConfig
-from deepinfer.model.drafter import draft_from_cache
+from deepinfer.model.drafter import draft_block
+from deepinfer.model.engram_hash_device import hash_drafts
 from deepinfer.model.kv_cache import CacheLayout, KVCache
 from deepinfer.model.rollback import roll_back
 from deepinfer.model.step import StepBatch, verify_body
 from deepinfer.pallas_kernels.registry import KernelConfig
-from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler, blocked_argmax
+from deepinfer.serve.engine.acceptance import DRAFT_STREAM, accept, stream_keys
+from deepinfer.serve.engine.sampler import (SampleOutput, SampleRows, Sampler, blocked_argmax, draw, process_logits,
+                                            slot_settings, truncate)
 from deepinfer.serve.engine.sampling_state import SamplingState
 from deepinfer.serve.engine.types import SamplingParams
 
-__all__ = ["SpeculativeConfig", "VerifyOutput", "speculatable", "verify_and_draft"]
+__all__ = ["DraftInputs", "SpecDecodeCounts", "SpeculativeConfig", "VerifyOutput", "speculatable", "verify_step"]
 
 METHODS = ("dspark",)
 # vLLM's keys that this engine does not do yet: refused by name rather than ignored
 NOT_BUILT = {
     "enable_adaptive_verification": "confidence-scheduled variable-length verification is not built yet "
                                     "(every request verifies num_speculative_tokens drafts)",
-    "draft_sample_method": "drafts are greedy; sampled drafts (and verifying sampled requests) are not built yet",
 }
 
 
@@ -91,61 +102,155 @@ class SpeculativeConfig:
                              f"block of {config.dspark_block_size} tokens")
 
 
-def speculatable(params: SamplingParams) -> bool:
-    """Requests whose drafts this engine verifies: greedy, with nothing that changes the logits
-    per position (penalties, logit bias, min_tokens bans) and no logprobs."""
-    return (params.temperature == 0 and params.presence_penalty == 0 and params.frequency_penalty == 0
-            and params.repetition_penalty == 1 and not params.logit_bias and params.min_tokens == 0
-            and params.logprobs is None)
+@dataclass
+class SpecDecodeCounts:
+    """The engine's speculative-decoding counters, as vLLM names them (`metrics()`): verify rows
+    that checked drafts, draft tokens checked, drafts accepted, and accepted drafts by position
+    in the block (position j counts the rows that accepted more than j drafts)."""
+
+    block: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_pos = self.accepted_per_pos or [0] * self.block
+
+    def record(self, drafts: int, accepted: int) -> None:
+        """One row of a verify step that checked `drafts` drafts and accepted `accepted`."""
+        if drafts:
+            self.num_drafts += 1
+            self.num_draft_tokens += drafts
+            self.num_accepted_tokens += accepted
+            for j in range(accepted):
+                self.accepted_per_pos[j] += 1
+
+    def metrics(self) -> dict:
+        return {"vllm:spec_decode_num_drafts": self.num_drafts,
+                "vllm:spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "vllm:spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "vllm:spec_decode_num_accepted_tokens_per_pos": {str(j): c for j, c in
+                                                                 enumerate(self.accepted_per_pos)}}
+
+
+def speculatable(params: SamplingParams, num_output: int) -> bool:
+    """Whether a request that has generated `num_output` tokens verifies drafts in its next step:
+    greedy or sampled, as long as nothing makes a position's logits depend on the drafts before
+    it (penalties, min_tokens bans still active) and it asks for no logprobs."""
+    return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
+            and num_output >= params.min_tokens and params.logprobs is None)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DraftInputs:
+    """What the host tells a verify step about each row's drafts."""
+
+    num_drafts: jax.Array  # i32[B]: ℓ, the drafts the row verifies
+    host_drafts: jax.Array  # i32[B, K]: drafts proposed on the host (read where `use_host`)
+    use_host: jax.Array  # bool[B]: verify `host_drafts` instead of the drafter's
+    # u32[B, K, n_engram_layers, N-1, 2]: the host's part of the drafts' Engram folds
+    # (`EngramHasher.draft_folds` of the sequence up to the anchor); None without Engram
+    folds: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class VerifyOutput:
-    """Per row: `tokens [B, T]`: the target's greedy token after each row position (a row with
-    drafts gains tokens[:accepted+1]); `sampled`: the sampler's output for the anchor (what a
-    row without drafts gains, with its logprobs when asked); `accepted [B]`; `drafts [B, N]`:
-    the next block."""
+    """Per row: `tokens [B, K+1]`: the tokens the row gained (a drafting row `count` of them:
+    its accepted drafts, then the correction or bonus token; a row without drafts one, its
+    plain sample); `sampled`: the plain sampler's output for the anchor (with its logprobs when
+    asked: what a row without drafts gained); `count [B]`; `accepted [B]`: drafts accepted;
+    `drafts [B, K]`: the drafts verified; `confidence [B, K]`: the drafter's confidences."""
 
     tokens: jax.Array
     sampled: SampleOutput
+    count: jax.Array
     accepted: jax.Array
     drafts: jax.Array
+    confidence: jax.Array
 
 
-def verify_and_draft(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
-                     num_drafts: jax.Array, *, config: ModelConfig, layout: CacheLayout,
-                     kernels: KernelConfig | None = None,
-                     head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, VerifyOutput, jax.Array]:
-    """One verify step (module docstring). `batch` rows: anchor + drafts (`last_index`: the last
-    draft, whose pending pair state a fully accepted row keeps); `rows`: the sampler's rows for
-    the anchor; `num_drafts [B]`: ℓ per row. Returns
-    the rolled-back cache, the sampling state (every gained token counted, `last_token` the
-    newest), the `VerifyOutput` and the routed-token counts (of every verified token)."""
+def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
+                drafts_in: DraftInputs, *, config: ModelConfig, layout: CacheLayout,
+                kernels: KernelConfig | None = None,
+                head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, VerifyOutput, jax.Array]:
+    """One verify step (module docstring). `batch` rows: the anchor, then ℓ placeholders for the
+    drafts (`positions` p .. p+ℓ, `last_index` ℓ); `rows`: the sampler's rows for the anchor;
+    `drafts_in`: ℓ per row and host drafts. Returns the rolled-back cache, the sampling state
+    (every gained token counted, `last_token` the newest), the `VerifyOutput` and the
+    routed-token counts (of every verified token)."""
+    B, T = batch.tokens.shape
+    K = T - 1
+    slots, num = batch.slots, drafts_in.num_drafts
+    settings = slot_settings(state, slots)
+    random = settings["temperature"] > 0
+    temperature = jnp.where(random, settings["temperature"], 1.0)
+    drafting = rows.emit & (num > 0)
+    anchor, anchor_pos = batch.tokens[:, 0], batch.positions[:, 0]
+
+    def pick(logits, j):
+        """Draft j: the argmax, or for a sampled row a draw from its truncated distribution."""
+        greedy = blocked_argmax(logits).astype(jnp.int32)
+        live = drafting & random
+
+        def sampled(x):
+            scaled = truncate(x / temperature[:, None], settings, live)
+            keys = stream_keys(settings["seed"], (anchor_pos + 1 + j)[:, None], DRAFT_STREAM)[:, 0]
+            return draw(scaled, keys).astype(jnp.int32), scaled
+
+        drawn, scaled = jax.lax.cond(jnp.any(live), sampled, lambda x: (greedy, x), logits)
+        return jnp.where(random, drawn, greedy), scaled
+
+    block = draft_block(params, config, layout, cache, slots, anchor, anchor_pos, batch.floor, kernels, pick)
+    use_host = drafts_in.use_host[:, None]
+    drafts = jnp.where(use_host, drafts_in.host_drafts, block["tokens"][:, :K])
+    certain = jnp.where(jax.nn.one_hot(drafts, config.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
+    q = jnp.where(use_host[..., None], certain, jax.nn.log_softmax(block["picked"][:, :K], axis=-1))
+
+    verified = jnp.arange(K)[None, :] < num[:, None]
+    hash_ids = batch.hash_ids
+    if hash_ids is not None and drafts_in.folds is not None:
+        hash_ids = hash_ids.at[:, 1:].set(hash_drafts(config, drafts, drafts_in.folds))
+    batch = dataclasses.replace(batch, tokens=batch.tokens.at[:, 1:].set(jnp.where(verified, drafts, 0)),
+                                hash_ids=hash_ids)
     cache, logits, counts, undo = verify_body(params, cache, batch, config=config, layout=layout, kernels=kernels)
     logits = jax.lax.optimization_barrier(logits)
-    B, T, V = logits.shape
-    state, first = head(logits[:, 0], state, batch.slots, rows)
-    targets = blocked_argmax(logits.reshape(B * T, V)).reshape(B, T).astype(jnp.int32)
-    live = jnp.arange(T - 1)[None, :] < num_drafts[:, None]
-    match = (batch.tokens[:, 1:] == targets[:, :-1]) & live
-    accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    cache = roll_back(cache, undo, batch.slots, batch.positions, accepted + 1)
+    V = logits.shape[-1]
 
-    # the state counts every token a drafting row gained (the sampler counted the first)
-    rows_idx = jnp.arange(B)
-    newest = jnp.where(num_drafts > 0, targets[rows_idx, accepted], first.tokens)
+    # rows without drafts: the plain sampler on the anchor's logits, exactly a decode step
+    state, first = head(logits[:, 0], state, slots, dataclasses.replace(rows, emit=rows.emit & ~drafting))
+
+    # each verified position's target distribution, as the plain sampler would draw from it
+    flat_slots, flat_live = jnp.repeat(slots, T), jnp.repeat(drafting, T)
+    processed = process_logits(logits.reshape(B * T, V), state, flat_slots, flat_live)
+    flat = slot_settings(state, flat_slots)
+
+    def scaled_logp(x):  # greedy rows' argmax is unchanged (temperature 1, truncation keeps it)
+        scaled = x / jnp.repeat(temperature, T)[:, None]
+        return jax.nn.log_softmax(truncate(scaled, flat, flat_live & jnp.repeat(random, T)), axis=-1)
+
+    target = jax.lax.cond(jnp.any(drafting & random), scaled_logp, lambda x: x, processed).reshape(B, T, V)
+    decides = anchor_pos[:, None] + 1 + jnp.arange(T)[None, :]  # the position each entry decides
+    accepted, next_token = accept(target, q, drafts, jnp.where(drafting, num, 0), ~random, settings["seed"],
+                                  decides)
+
+    idx = jnp.arange(T)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    gained = jnp.where(idx < accepted[:, None], padded, next_token[:, None])
+    gained = jnp.where(drafting[:, None], gained, first.tokens[:, None]).astype(jnp.int32)
+    count = jnp.where(drafting, accepted + 1, 1).astype(jnp.int32)
+    cache = roll_back(cache, undo, slots, batch.positions, count)
+
+    # the state counts every token a drafting row gained (the plain sampler counted the others)
     S = state.num_output.shape[0]
-    drafting = rows.emit & (num_drafts > 0)
-    extra = drafting[:, None] & (jnp.arange(T)[None, :] >= 1) & (jnp.arange(T)[None, :] <= accepted[:, None])
-    at = jnp.where(extra, batch.slots[:, None], S)
-    kept = jnp.where(rows.emit, batch.slots, S)
+    kept = jnp.where(drafting, slots, S)
+    at = jnp.where(drafting[:, None] & (idx < count[:, None]), slots[:, None], S)
     state = dataclasses.replace(
-        state, num_output=state.num_output.at[kept].add(jnp.where(drafting, accepted, 0), mode="drop"),
-        last_token=state.last_token.at[kept].set(newest, mode="drop"),
-        output_counts=state.output_counts.at[at, targets].add(1, mode="drop"))
-
-    anchor_pos = batch.positions[:, 0] + accepted + 1
-    drafts = draft_from_cache(params, config, layout, cache, batch.slots, newest, anchor_pos, batch.floor,
-                              kernels)["tokens"]
-    return cache, state, VerifyOutput(targets, first, accepted, drafts), counts
+        state, num_output=state.num_output.at[kept].add(count, mode="drop"),
+        last_token=state.last_token.at[kept].set(next_token, mode="drop"),
+        output_counts=state.output_counts.at[at, gained].add(1, mode="drop"))
+    out = VerifyOutput(gained, first, count, jnp.where(drafting, accepted, 0).astype(jnp.int32), drafts,
+                       block["confidence"][:, :K])
+    return cache, state, out, counts

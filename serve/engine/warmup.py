@@ -148,9 +148,10 @@ def _run_step(engine, shape: StepShape) -> None:
     if shape.kind == "decode" and engine.speculative is not None:  # decodes run as verify steps
         k = engine.speculative.num_speculative_tokens
         start = max(0, end - (k + 1))
-        work = [dataclasses.replace(w, tokens=np.ones(end - start, np.int32), start=start,
-                                    history=np.ones(start, np.int32)) for w in work]
-        engine.runner.verify(work, table, [len(w.tokens) - 1 for w in work], tokens=k + 1, sample=sample)
+        work = [dataclasses.replace(w, tokens=np.ones(1, np.int32), start=start, history=np.ones(start, np.int32))
+                for w in work]
+        engine.runner.verify(work, table, [end - start - 1] * len(work), [None] * len(work), tokens=k + 1,
+                             sample=sample)
         return
     engine.runner.run(work, table, rows=shape.rows, tokens=shape.tokens, decoder=shape.decoder, sample=sample)
 

@@ -124,23 +124,28 @@ class ServerMetrics:
                              "p50": percentile(h.recent, 50), "p99": percentile(h.recent, 99)}
         return out
 
-    def registry(self, gauges: Callable[[], dict[str, float]], model_name: str | Callable[[], str]):
+    def registry(self, gauges: Callable[[], dict[str, float]], model_name: str | Callable[[], str],
+                 engine_counters: Callable[[], dict] = dict):
         """A `prometheus_client.CollectorRegistry` exposing these metrics at every scrape
         (vLLM's names and labels; see `deepinfer.serve.api.prometheus`). A callable `model_name`
-        is asked at every scrape (the served model is only known once it is loaded)."""
+        is asked at every scrape (the served model is only known once it is loaded);
+        `engine_counters()` gives the engine's own counters (spec decode) as `LLM.get_metrics`
+        names them."""
         from prometheus_client import CollectorRegistry
 
-        from deepinfer.serve.api.prometheus import MetricValues, metrics_registry
+        from deepinfer.serve.api.prometheus import MetricValues, metrics_registry, spec_decode_values
 
         def scrape() -> MetricValues:
             current = gauges()
+            spec, per_pos = spec_decode_values(engine_counters())
             with self._lock:
                 return MetricValues(
                     gauges={name: (doc, current.get(name, 0.0)) for name, doc in _GAUGES.items()},
-                    counters={name: (doc, self._counters[name]) for name, doc in _COUNTERS.items()},
+                    counters={**{name: (doc, self._counters[name]) for name, doc in _COUNTERS.items()}, **spec},
                     success=dict(self._success),
                     histograms={name: (doc, bounds, list(self._hist[name].counts), self._hist[name].total)
-                                for name, (doc, bounds) in HISTOGRAMS.items()})
+                                for name, (doc, bounds) in HISTOGRAMS.items()},
+                    labelled=per_pos)
 
         class _Labelled:
             def collect(self):

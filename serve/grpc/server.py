@@ -359,9 +359,15 @@ class GrpcServer:
                 "vllm:num_requests_waiting": max(0, len(self._active) - running),
                 "vllm:kv_cache_usage_perc": float(engine.cache.usage())}
 
+    def engine_counters(self) -> dict:
+        """The engine's spec-decode counters under vLLM's names (empty without speculation)."""
+        engine = self.engine
+        counts = None if engine is None else engine.spec_counts
+        return {} if counts is None else counts.metrics()
+
     def metrics_registry(self):
         """A prometheus_client registry with this server's metrics (for `start_http_server`)."""
-        return self.metrics.registry(self.gauges, self._model_name)
+        return self.metrics.registry(self.gauges, self._model_name, self.engine_counters)
 
     def _model_name(self) -> str:
         model = self._driver.model if self._driver is not None else None

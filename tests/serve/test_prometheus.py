@@ -26,3 +26,20 @@ def test_server_metrics_exposition():
     assert f'vllm:request_prompt_tokens_bucket{{engine="0",le="64.0",model_name="tiny"}} 2.0' in text
     assert f'vllm:request_prompt_tokens_bucket{{engine="0",le="+Inf",model_name="tiny"}} 2.0' in text
     assert f"vllm:request_prompt_tokens_sum{{{labels}}} 43.0" in text
+
+
+def test_spec_decode_counters_are_exposed_with_a_position_label():
+    from deepinfer.serve.engine.speculative import SpecDecodeCounts
+
+    counts = SpecDecodeCounts(block=3)
+    for drafts, accepted in [(3, 3), (3, 1), (2, 0), (0, 0)]:  # (0, 0): a row that did not draft
+        counts.record(drafts, accepted)
+    assert counts.metrics()["vllm:spec_decode_num_accepted_tokens_per_pos"] == {"0": 2, "1": 1, "2": 1}
+    text = generate_latest(ServerMetrics().registry(dict, "tiny", counts.metrics)).decode()
+    labels = 'engine="0",model_name="tiny"'
+    assert f"vllm:spec_decode_num_drafts_total{{{labels}}} 3.0" in text
+    assert f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} 8.0" in text
+    assert f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 4.0" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} 1.0' in text
+    # without speculative decoding nothing of it is exposed
+    assert "spec_decode" not in generate_latest(ServerMetrics().registry(dict, "tiny")).decode()

@@ -15,7 +15,7 @@ from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
-from deepinfer.serve.engine.speculative import SpeculativeConfig
+from deepinfer.serve.engine.speculative import SpeculativeConfig, speculatable
 
 PROMPTS = (9, 300, 700)
 MAX_TOKENS = 20
@@ -44,13 +44,20 @@ def _requests():
                                                        logprobs=2)))
     out.append(("sampled", prompts[2], SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
                                                       ignore_eos=True)))
+    # sampled, but top-k 1 leaves one token: its drafts, acceptance and draws take the sampled
+    # path and must give the greedy request's tokens exactly
+    out.append(("top1", prompts[0], SamplingParams(temperature=0.8, top_k=1, seed=11, max_tokens=MAX_TOKENS,
+                                                   ignore_eos=True)))
     return out
 
 
-def _run(model, speculative, inject=None):
+REFERENCE = {"top1": "greedy-0"}  # the plain run's request whose tokens a request must reproduce
+
+
+def _run(model, speculative, inject=None, requests=None):
     config, params, tokenizer = model
     engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, speculative=speculative))
-    for rid, prompt, sp in _requests():
+    for rid, prompt, sp in requests or _requests():
         engine.add_request(rid, prompt, sp)
     outputs = {}
     while engine.has_unfinished():
@@ -96,43 +103,45 @@ def test_greedy_speculation_equals_plain_decoding(model, plain):
     engine, outputs = _run(model, SpeculativeConfig(num_speculative_tokens=K))
     assert engine.stats["spec_drafts"] > 0
     for rid, _, sp in _requests():
-        if sp.temperature == 0:
-            _agree(outputs[rid].token_ids, plain[rid])
-        else:  # sampled requests decode one token per step with the same counter-based noise
-            assert outputs[rid].token_ids == plain[rid].token_ids
+        if sp.temperature == 0 or rid in REFERENCE:
+            _agree(outputs[rid].token_ids, plain[REFERENCE.get(rid, rid)])
+        else:  # a sampled request speculates too: same distribution, other draws (test_acceptance.py)
+            assert len(outputs[rid].token_ids) == MAX_TOKENS
     # logprobs come back for the request that asked (it decodes one token per verify step)
     assert len(outputs["logprobs"].logprobs) == MAX_TOKENS
 
 
 def test_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(model, plain):
-    """Drafts replaced by the reference continuation with one wrong token at a random place (or
-    none): every verify step accepts exactly the right prefix and the output is unchanged."""
+    """Host drafts (`Request.host_drafts`) replaced by the reference continuation with one wrong
+    token at a random place (or none): every verify step accepts exactly the right prefix and
+    the output is unchanged. Greedy requests only: their acceptance is exact."""
     rng = np.random.default_rng(0)
-    injected = []  # (request id, output length, drafts as verified)
+    injected = []  # (request, output length, drafts offered)
 
     def inject(engine):
         for rid, request in engine.requests.items():
-            ref = plain[rid].token_ids
+            ref = plain[REFERENCE.get(rid, rid)].token_ids
             n = len(request.output_ids)
-            if not request.output_ids or not request.drafts or n >= len(ref):
+            if not request.output_ids or not speculatable(request.params, n) or n >= len(ref):
                 continue
             drafts = list(ref[n:n + K])
             wrong = rng.integers(0, K + 2)  # K, K+1: all right
             if wrong < len(drafts):
                 drafts[wrong] = (drafts[wrong] + 1) % 1000
-            request.drafts = drafts
+            request.host_drafts = drafts
             injected.append((rid, n, drafts[:MAX_TOKENS - n - 1]))
 
-    engine, outputs = _run(model, SpeculativeConfig(num_speculative_tokens=K), inject)
-    for rid, _, sp in _requests():
-        if sp.temperature == 0:
-            _agree(outputs[rid].token_ids, plain[rid])
+    # requests whose acceptance is exact (a sampled request's is random)
+    exact = [r for r in _requests() if r[2].temperature == 0 or r[0] in REFERENCE]
+    engine, outputs = _run(model, SpeculativeConfig(num_speculative_tokens=K), inject, exact)
+    for rid, _, sp in exact:
+        _agree(outputs[rid].token_ids, plain[REFERENCE.get(rid, rid)])
     expected = 0
     for rid, n, drafts in injected:
         got = outputs[rid].token_ids[n:n + len(drafts)]
         expected += next((j for j, (d, t) in enumerate(zip(drafts, got)) if d != t), len(drafts))
     assert engine.stats["spec_accepted"] == expected
-    greedy = [rid for rid, _, sp in _requests() if sp.temperature == 0 and sp.logprobs is None]
+    greedy = [rid for rid, _, sp in exact if sp.logprobs is None]
     # most tokens came from accepted drafts: far fewer steps than tokens
     assert expected >= len(greedy) * MAX_TOKENS // 3, expected
 
@@ -159,14 +168,31 @@ def test_llm_speculative_config(tmp_path):
 
     small = dict(cache_dir=tmp_path / "tiny", max_num_seqs=2, max_model_len=256, page_size=64, prefill_chunk=128,
                  compilation_cache=None, log_stats_interval=None)
-    with pytest.raises(ValueError, match="speculative_config.draft_sample_method: drafts are greedy"):
-        LLM(speculative_config={"method": "dspark", "draft_sample_method": "probabilistic"}, **small)
+    with pytest.raises(ValueError, match="speculative_config.enable_adaptive_verification: confidence-scheduled"):
+        LLM(speculative_config={"method": "dspark", "enable_adaptive_verification": True}, **small)
     llm = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 3}, **small)
     assert llm.engine.speculative == SpeculativeConfig(num_speculative_tokens=3)
     out = llm.generate([[0, 101, 102, 103]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 9
     assert llm.engine.stats["spec_drafts"] > 0
+    # vLLM's spec-decode counters, in get_metrics and in the Prometheus exposition of run-batch
+    m = llm.get_metrics()
+    assert m["vllm:spec_decode_num_draft_tokens"] == llm.engine.stats["spec_drafts"]
+    assert m["vllm:spec_decode_num_accepted_tokens"] == llm.engine.stats["spec_accepted"]
+    per_pos = [m["vllm:spec_decode_num_accepted_tokens_per_pos"][str(j)] for j in range(3)]
+    assert sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens"]
+    assert per_pos == sorted(per_pos, reverse=True)  # accepting draft j needs every draft before it
+    assert 0 < m["vllm:spec_decode_num_drafts"] <= m["vllm:spec_decode_num_draft_tokens"]
+    from prometheus_client import generate_latest
+
+    from deepinfer.serve.api.batch import metrics_registry
+
+    text = generate_latest(metrics_registry(llm)).decode()
+    assert f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="{llm.model_name}"}} ' \
+           f'{float(m["vllm:spec_decode_num_drafts"])}' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name=' in text
+    assert 'position="2"' in text
     compiled = set(llm.engine.runner.compile_seconds)
     assert any(key[0] == "verify" for key in compiled) and not any(key[0] == "decode" for key in compiled)
     llm.generate([[0, 104, 105]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
