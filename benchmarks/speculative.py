@@ -1,7 +1,7 @@
 """DSpark speculative decoding vs plain decoding on `tiny-v4.1`: output tokens/s and accepted
-drafts per verify step, greedy, at several batch sizes.
+drafts per verify step, greedy (or sampled), at several batch sizes.
 
-    python benchmarks/speculative.py [--batch-sizes 1,8] [--input-len 128] [--output-len 64] [-k 5]
+    python benchmarks/speculative.py [--batch-sizes 1,8] [--input-len 128] [--output-len 64] [-k 5] [--temperature T]
 
 Three runs per batch size, each after an untimed run of the same requests (compilation):
 plain decoding (synchronous, as a speculative engine reads its steps), speculative decoding
@@ -50,12 +50,14 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("-k", type=int, default=5, help="num_speculative_tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (with the oracle-drafts run)")
     args = parser.parse_args()
     config = load_config("tiny-v4.1")
     params, tokenizer = init_params(config, seed=0), load_tokenizer()
-    sampling = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    sampling = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None,
+                              max_tokens=args.output_len, ignore_eos=True)
     print(f"tiny-v4.1 on {jax.devices()[0].platform}: input {args.input_len}, output {args.output_len} tokens, "
-          f"greedy, k = {args.k}")
+          f"temperature {args.temperature}, k = {args.k}")
     print(f"{'batch':>5} {'run':>16} {'out tok/s':>10} {'steps':>6} {'accepted/step':>14} {'vs plain':>9}")
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         rng = np.random.default_rng(batch)
@@ -67,7 +69,8 @@ def main() -> None:
                                                                        drafter_context=True)),
             "drafter": LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, speculative=spec)),
         }
-        engines["oracle drafts"] = engines["drafter"]
+        if args.temperature == 0:  # a sampled request's continuation is one draw, not an oracle
+            engines["oracle drafts"] = engines["drafter"]
         reference, base = None, None
         for name, engine in engines.items():
             oracle = reference if name == "oracle drafts" else None

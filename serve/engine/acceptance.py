@@ -57,19 +57,35 @@ def accept(target_logp: jax.Array, draft_logp: jax.Array, drafts: jax.Array, num
     one-hot rule; `seed [B]` u32; `positions [B, K+1]`: the position each entry of
     `target_logp` decides (the noise keys)."""
     B, K = drafts.shape
-    rows = jnp.arange(B)
     live = jnp.arange(K)[None, :] < num_drafts[:, None]
+    greedy_ok = drafts == blocked_argmax(target_logp[:, :K].reshape(B * K, -1)).reshape(B, K)
+
+    def accepted_count(ok):
+        return jnp.sum(jnp.cumprod((ok & live).astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+    def greedy_only(_):  # no sampled row: nothing random to draw (the usual greedy batch)
+        accepted = accepted_count(greedy_ok)
+        return accepted, blocked_argmax(target_logp[jnp.arange(B), accepted]).astype(jnp.int32)
+
+    def mixed(_):
+        return _accept_sampled(target_logp, draft_logp, drafts, live, greedy, greedy_ok, seed, positions,
+                               accepted_count)
+
+    return jax.lax.cond(jnp.any(~greedy), mixed, greedy_only, None)
+
+
+def _accept_sampled(target_logp, draft_logp, drafts, live, greedy, greedy_ok, seed, positions, accepted_count):
+    """`accept` when some sampled row verifies drafts."""
+    B, K = drafts.shape
+    rows = jnp.arange(B)
     p_d = jnp.take_along_axis(target_logp[:, :K], drafts[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(draft_logp, drafts[..., None], axis=-1)[..., 0]
     u = uniform(stream_keys(seed, positions[:, :K], ACCEPT_STREAM))
     sampled_ok = jnp.log(u) < p_d - q_d  # u < p/q; never when p = 0 (cut), always when p >= q
-    flat = target_logp[:, :K].reshape(B * K, -1)
-    greedy_ok = drafts == blocked_argmax(flat).reshape(B, K)
-    ok = jnp.where(greedy[:, None], greedy_ok, sampled_ok) & live
-    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    accepted = accepted_count(jnp.where(greedy[:, None], greedy_ok, sampled_ok))
 
     at = target_logp[rows, accepted]  # [B, V]: where the next token is decided
-    rejected = accepted < num_drafts
+    rejected = accepted < jnp.sum(live, axis=1)
     q_at = draft_logp[rows, jnp.minimum(accepted, K - 1)] if K else jnp.full_like(at, -jnp.inf)
     p, q = jnp.exp(at), jnp.exp(q_at)
     residual = jnp.maximum(p - q, 0.0)

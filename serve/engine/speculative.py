@@ -206,8 +206,13 @@ def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepB
     block = draft_block(params, config, layout, cache, slots, anchor, anchor_pos, batch.floor, kernels, pick)
     use_host = drafts_in.use_host[:, None]
     drafts = jnp.where(use_host, drafts_in.host_drafts, block["tokens"][:, :K])
-    certain = jnp.where(jax.nn.one_hot(drafts, config.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
-    q = jnp.where(use_host[..., None], certain, jax.nn.log_softmax(block["picked"][:, :K], axis=-1))
+    any_sampled = jnp.any(drafting & random)  # else acceptance never reads q (greedy rows match argmaxes)
+
+    def draft_logp(picked):
+        certain = jnp.where(jax.nn.one_hot(drafts, config.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
+        return jnp.where(use_host[..., None], certain, jax.nn.log_softmax(picked, axis=-1))
+
+    q = jax.lax.cond(any_sampled, draft_logp, jnp.zeros_like, block["picked"][:, :K])
 
     verified = jnp.arange(K)[None, :] < num[:, None]
     hash_ids = batch.hash_ids
@@ -231,10 +236,11 @@ def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepB
         scaled = x / jnp.repeat(temperature, T)[:, None]
         return jax.nn.log_softmax(truncate(scaled, flat, flat_live & jnp.repeat(random, T)), axis=-1)
 
-    target = jax.lax.cond(jnp.any(drafting & random), scaled_logp, lambda x: x, processed).reshape(B, T, V)
+    target = jax.lax.cond(any_sampled, scaled_logp, lambda x: x, processed).reshape(B, T, V)
     decides = anchor_pos[:, None] + 1 + jnp.arange(T)[None, :]  # the position each entry decides
-    accepted, next_token = accept(target, q, drafts, jnp.where(drafting, num, 0), ~random, settings["seed"],
-                                  decides)
+    # rows without drafts count as greedy here: their token is the plain sampler's
+    accepted, next_token = accept(target, q, drafts, jnp.where(drafting, num, 0), ~(random & drafting),
+                                  settings["seed"], decides)
 
     idx = jnp.arange(T)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
