@@ -8,18 +8,7 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    flags += " --xla_force_host_platform_device_count=8"
-# The suite's time is mostly XLA compiling engine-step programs (~1,100 kernels each for
-# tiny-v4.1), much of it LLVM optimizing the kernels. LLVM at -O0 (XLA's HLO passes and fusion are
-# unchanged: the same kernels, less optimized machine code): test_engine_baseline.py's 17 step
-# programs compile in 161 s instead of 249 s; a 512-token prefill step then runs ~1.8x slower
-# (decode steps about the same), which costs far less here. Numerics: the same HLO; the machine
-# code rounds differently in places (a 512-token prefill's logits move by up to 2e-5), which the
-# comparisons between programs allow for (the engine baseline recorded at -O2 passes). The
-# commands the tests start inherit it (XLA_FLAGS).
-if "xla_backend_optimization_level" not in flags:
-    flags += " --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = flags.strip()
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 # LLM() and the commands keep JAX's persistent compilation cache under ~/.cache/deepinfer/xla by
 # default: the suite (and the commands it starts) never writes the real home nor loads executables
 # from an earlier run. It shares one cache of its own instead, a new directory per run, made by the

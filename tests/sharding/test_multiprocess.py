@@ -30,9 +30,7 @@ def _command(checkpoint: str, *extra: str) -> list[str]:
 
 def _env(devices: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-    flags = os.environ.get("XLA_FLAGS", "").split()  # the suite's, for its other settings (tests/conftest.py)
-    flags = [f for f in flags if "xla_force_host_platform_device_count" not in f]
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]))
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return env
 
 
