@@ -441,7 +441,7 @@ class LLMEngine:
         work = [ChunkWork(r.slot, r.ids(r.length - 1, r.length), r.length - 1, self._lookback(r, r.length - 1), r.floor)
                 for r in requests]
         host = []
-        for r in requests:  # host drafts (used once) may be fewer than the pages reserved for
+        for r in requests:  # host drafts (used once) may be fewer than its lookahead: verify those
             if r.host_drafts is not None:
                 r.host_drafts = [int(t) for t in r.host_drafts[:r.lookahead]]
                 r.lookahead = len(r.host_drafts)
