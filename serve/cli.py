@@ -46,6 +46,7 @@ import argparse
 import json
 import logging
 import os
+import pathlib
 import sys
 import time
 from typing import Any, NoReturn, Sequence
@@ -349,6 +350,36 @@ def cmd_verify_checkpoint(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _structured_outputs(args: argparse.Namespace):
+    """The `StructuredOutputsParams` of --json-schema FILE / --regex / --grammar FILE / --choice."""
+    from deepinfer.serve.api.types import StructuredOutputsParams
+
+    given = [name for name in ("json_schema", "regex", "grammar", "choice") if getattr(args, name) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise CliError("give at most one of --json-schema, --regex, --grammar, --choice")
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(pathlib.Path(args.json_schema).read_text())
+        except OSError as e:
+            raise CliError(f"--json-schema: cannot read {args.json_schema}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise CliError(f"--json-schema: {args.json_schema} is not JSON (line {e.lineno}: {e.msg})") from None
+        return StructuredOutputsParams(json=schema)
+    if args.grammar is not None:
+        try:
+            return StructuredOutputsParams(grammar=pathlib.Path(args.grammar).read_text())
+        except OSError as e:
+            raise CliError(f"--grammar: cannot read {args.grammar}: {e.strerror}") from None
+    try:
+        if args.regex is not None:
+            return StructuredOutputsParams(regex=args.regex)
+        return StructuredOutputsParams(choice=args.choice)
+    except ValueError as e:
+        raise CliError(f"--{given[0]}: {str(e).partition(': ')[2]}") from None
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt or [])
     if args.chat is None and not prompts:
@@ -360,9 +391,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError("--thinking applies to --chat only")
     from deepinfer.serve.api.types import SamplingParams
 
+    constraint = _structured_outputs(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
+                                top_k=args.top_k, seed=args.seed, structured_outputs=constraint)
     except ValueError as e:
         raise CliError(f"--{str(e).replace('_', '-')}") from None
     t0 = time.perf_counter()
@@ -560,6 +592,11 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     p_gen.add_argument("--thinking", action="store_true", help="--chat in thinking mode (default off)")
     p_gen.add_argument("--json", action="store_true",
                        help="print one JSON object per output (prompt, text, token ids, finish reason) instead")
+    shape = p_gen.add_argument_group("structured output (at most one)")
+    shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema file")
+    shape.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar file")
+    shape.add_argument("--choice", nargs="+", metavar="TEXT", help="the output is exactly one of these strings")
     add_engine_options(p_gen, env)
     p_gen.set_defaults(func=cmd_generate)
 

@@ -280,12 +280,15 @@ def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monke
     assert re.search(r"^compile\s+: \d+ step shapes in .* before the first step \(persistent cache: ", out, re.M), out
 
     # options win over the environment; --chat prints the content (and reasoning in thinking mode)
-    code, out, err = run(capsys, "generate", "--chat", "Hi", "--max-tokens", "2", "--temperature", "0",
-                         "--prefill-mode", "compact", "--keep-tokens", "140", *SMALL_ENGINE)
+    # (and --choice constrains the answer to one of the choices)
+    code, out, err = run(capsys, "generate", "--chat", "Hi", "--max-tokens", "8", "--temperature", "0",
+                         "--prefill-mode", "compact", "--keep-tokens", "140", "--choice", "yes", "no",
+                         *SMALL_ENGINE)
     assert code == 0, err
     assert "prefill compact (keep 140)" in out
     assert "--- chat: 'Hi'" in out and "thinking off" in out
     assert "--- content:" in out and "--- reasoning:" not in out
+    assert re.search(r"^--- content:\n(yes|no)\n--- \d+ tokens, finish_reason=stop$", out, re.M), out
 
 
 @pytest.mark.parametrize(
@@ -306,6 +309,11 @@ def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monke
         (["generate", "--prompt", "x", "--max-num-batched-tokens", "100"], {}, ["max_num_batched_tokens", "135"]),
         (["generate", "--chat", "Hi", "--thinking", "--max-tokens", "1"], {}, ["<｜System｜>"]),
         (["run-batch", "-i", "/no/such/in.jsonl", "-o", "/tmp/out.jsonl"], {}, ["/no/such/in.jsonl"]),
+        (["generate", "--prompt", "x", "--regex", "a", "--choice", "b"], {}, ["at most one of"]),
+        (["generate", "--prompt", "x", "--json-schema", "/no/such/schema.json"], {},
+         ["--json-schema", "/no/such/schema.json"]),
+        (["generate", "--prompt", "x", "--choice", ""], {}, ["--choice"]),
+        (["generate", "--prompt", "x", "--regex", "[0-9", *SMALL_ENGINE], {}, ["structured_outputs.regex", "[0-9"]),
     ],
 )
 def test_engine_commands_reject_bad_input_with_one_line(capsys, home, monkeypatch, argv, env, needles):

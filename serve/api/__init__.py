@@ -14,9 +14,11 @@ from deepinfer.serve.api.types import (
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams", "run_batch"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "run_batch"]
 
 _LAZY = {"LLM": "deepinfer.serve.api.llm", "run_batch": "deepinfer.serve.api.batch"}
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from deepinfer.serve.api.llm import LLM
-from deepinfer.serve.api.types import SamplingParams
+from deepinfer.serve.api.types import SamplingParams, StructuredOutputsParams
 from deepinfer.serve.text.chat import ChatPrompt
 
 CHAT_URL = "/v1/chat/completions"
@@ -24,11 +24,12 @@ URLS = (CHAT_URL, COMPLETIONS_URL)
 _OPENAI_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
                     "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "n")
 _VLLM_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                  "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
+                  "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                  "structured_outputs")
 _IGNORED = ("model", "user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options")
 _CHAT_FIELDS = ("messages", "tools", "tool_choice", "response_format", "thinking", "reasoning_effort",
                 "chat_template_kwargs", "stream")
-_COMPLETION_FIELDS = ("prompt", "stream", "echo", "suffix", "best_of")
+_COMPLETION_FIELDS = ("prompt", "stream", "echo", "suffix", "best_of", "response_format")
 _SAMPLING_NAMES = frozenset(SamplingParams.field_names()) | set(_OPENAI_SAMPLING)
 
 
@@ -51,6 +52,8 @@ class Line:
     prompt_text: str | None = None  # a completion's text prompt (None for token ids and chat)
     prompt_ids: list[int] | None = None
     sampling: SamplingParams | None = None
+    # the request field its structured-output constraint came from, when not `structured_outputs`
+    constraint_field: str | None = None
     done: bool = False  # --resume: the previous output already has this line's result
     output: dict | None = None  # the finished output line
 
@@ -126,13 +129,17 @@ def parse_line(llm: LLM, line: Line, text: str, first_line_of: dict[str, int], d
         line.prompt_ids, line.sampling = _prepare_chat(llm, line, body)
     else:
         line.kind = "completion"
-        line.prompt_text, line.prompt_ids, line.sampling = _prepare_completion(llm, body)
+        line.prompt_text, line.prompt_ids, line.sampling = _prepare_completion(llm, line, body)
 
 
 def queue_error(line: Line, error: ValueError) -> LineError:
     """The line error for a request the engine refused to queue (`LLM._add_request`)."""
     message = str(error)
     field, sep, _ = message.partition(":")
+    if sep and field.startswith("structured_outputs"):  # its grammar did not compile
+        if line.constraint_field is not None:
+            message = line.constraint_field + message[len(field):]
+        return LineError(message, line.constraint_field or "structured_outputs")
     if sep and field in _SAMPLING_NAMES:  # a sampling value the engine checks against the model
         return LineError(message, field)
     return LineError(f"prompt: {message}", "messages" if line.kind == "chat" else "prompt")
@@ -224,6 +231,14 @@ def _prepare_chat(llm: LLM, line: Line, body: Mapping[str, Any]) -> tuple[list[i
         sampling = _replace(sampling, max_tokens=max_tokens)
     else:
         _check_room(llm, n, sampling, "messages")
+    if sampling.structured_outputs is None and prompt.output_constraint is not None:
+        # the answer follows the response_format or the tools (deepseek-recipe's constraint)
+        field = "tools" if prompt.output_constraint[0].startswith("tool_call") else "response_format"
+        try:
+            sampling = llm.chat_constraint(prompt, sampling, where=field)
+        except ValueError as e:
+            raise LineError(str(e), field) from None
+        line.constraint_field = field
     line.chat_prompt = prompt
     return prompt.token_ids, sampling
 
@@ -239,7 +254,22 @@ def _check_room(llm: LLM, n: int, sampling: SamplingParams, where: str) -> None:
                         "max_tokens")
 
 
-def _prepare_completion(llm: LLM, body: Mapping[str, Any]) -> tuple[str | None, list[int], SamplingParams]:
+def _response_format(line: Line, body: Mapping[str, Any], sampling: SamplingParams) -> SamplingParams:
+    """`sampling` with the constraint of the body's OpenAI `response_format` (json_object,
+    json_schema; vLLM's regex), unless `structured_outputs` gave one."""
+    if body.get("response_format") is None or sampling.structured_outputs is not None:
+        return sampling
+    try:
+        constraint = StructuredOutputsParams.from_response_format(body["response_format"])
+    except ValueError as e:
+        raise LineError(str(e), "response_format") from None
+    if constraint is None:
+        return sampling
+    line.constraint_field = f"response_format.{body['response_format']['type']}"
+    return _replace(sampling, structured_outputs=constraint)
+
+
+def _prepare_completion(llm: LLM, line: Line, body: Mapping[str, Any]) -> tuple[str | None, list[int], SamplingParams]:
     _check_fields(body, _COMPLETION_FIELDS)
     if body.get("echo"):
         raise LineError("echo: echoing the prompt is not supported", "echo")
@@ -252,7 +282,9 @@ def _prepare_completion(llm: LLM, body: Mapping[str, Any]) -> tuple[str | None, 
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    sampling = _sampling(body)  # max_tokens defaults to 16, as in OpenAI's and vLLM's completions
+    _check_types(body, response_format=(Mapping, "an object"))
+    # max_tokens defaults to 16, as in OpenAI's and vLLM's completions
+    sampling = _response_format(line, body, _sampling(body))
     if isinstance(prompt, str):
         if not prompt:
             raise LineError("prompt: the prompt is empty", "prompt")

@@ -36,6 +36,7 @@ do) unless `chat_template_kwargs` sets `thinking` or `reasoning_effort`; `n` mus
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
 import logging
@@ -500,7 +501,10 @@ class LLM:
         """Answer one conversation (a list of message dicts) or a list of conversations.
 
         chat_template_kwargs: `thinking` (bool; default False unless `reasoning_effort` is set),
-            `reasoning_effort`, and the request switches `tool_choice` / `response_format`.
+            `reasoning_effort`, and the request switches `tool_choice` / `response_format`. A
+            `response_format` (`json_object`, `json_schema`) or tools also constrain the answer
+            (structured output: JSON, or DeepSeek's tool-call block, after `</think>` in thinking
+            mode) unless a sampling params has its own `structured_outputs` (`chat_constraint`).
         tools: OpenAI function tools, shared by every conversation.
 
         Each output's `text` is the answer content; `reasoning_content` the thinking text
@@ -512,6 +516,8 @@ class LLM:
         params = self._normalize_params(sampling_params, len(conversations))
         prompts = [self.prepare_chat(conv, tools=tools, where=f"conversation {i}", **kwargs)
                    for i, conv in enumerate(conversations)]
+        params = [self.chat_constraint(prompt, p, where=f"conversation {i}")
+                  for i, (prompt, p) in enumerate(zip(prompts, params))]
         outputs = self._generate([(p.prompt, p.token_ids) for p in prompts], params, use_tqdm=use_tqdm,
                                  label="conversation")
         for prompt, output in zip(prompts, outputs):
@@ -521,6 +527,21 @@ class LLM:
             completion.reasoning_content = parsed.reasoning_content
             completion.tool_calls = parsed.tool_calls
         return outputs
+
+    def chat_constraint(self, prompt: ChatPrompt, params: SamplingParams, where: str = "conversation") -> SamplingParams:
+        """`params` with the structured-output constraint deepseek-recipe asks of `prompt` (JSON for a
+        `response_format`, DeepSeek's tool-call block for tools: `serve.structured.tool_calls`),
+        unless `params` has its own."""
+        if params.structured_outputs is not None or prompt.output_constraint is None:
+            return params
+        from deepinfer.serve.structured.tool_calls import chat_constraint
+
+        try:
+            constraint = chat_constraint(prompt.output_constraint, model_type=self.config.model_type,
+                                         dsml_token_id=self.tokenizer.token_to_id("｜DSML｜"))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        return dataclasses.replace(params, structured_outputs=constraint)
 
     def prepare_chat(self, messages: Sequence[Mapping[str, Any]], *, tools=None, where: str = "conversation",
                      thinking: bool | None = None, reasoning_effort: str | None = None, tool_choice=None,

@@ -14,6 +14,8 @@ from deepinfer.serve.engine.types import (  # noqa: F401  (re-exported)
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
-__all__ = ["MAX_LOGPROBS", "CompletionOutput", "FinishReason", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "CompletionOutput", "FinishReason", "Logprob", "RequestMetrics", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]

@@ -159,6 +159,7 @@ class LLMEngine:
         self.spec_counts = None if self.speculative is None else SpecDecodeCounts(
             self.speculative.num_speculative_tokens)
         self.warmed_shapes: set = set()  # step shapes `serve.engine.warmup.warm_up` compiled
+        self._grammars = None  # the structured-output backend, built for the first constrained request
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -176,13 +177,25 @@ class LLMEngine:
         sampling_state.check_capacity(params, eos_token_id=self.config.eos_token_id,
                                       max_logit_bias=self.runner.max_logit_bias, max_bans=self.runner.max_bans)
         self.cache.check_admissible(len(ids), self.cache.layout.max_len)
+        constraint = self._constraint(params, ids) if params.structured_outputs is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if params.detokenize else None
         request = Request(request_id, prompt, ids, params, detok,
                           StopChecker(params.stop, params.include_stop_str_in_output), next(self._order))
         request.logprobs = [] if params.logprobs is not None else None
+        request.constraint = constraint
         request.seed = params.seed if params.seed is not None else int(self._seeds.integers(1 << 32))
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _constraint(self, params: SamplingParams, prompt_ids: list[int]):
+        """The request's grammar state; `ValueError` naming the field when its spec does not compile."""
+        from deepinfer.serve.structured import LLGuidanceBackend, RequestConstraint, ThinkTokens
+
+        if self._grammars is None:
+            self._grammars = LLGuidanceBackend(self.tokenizer, self.config.vocab_size, self.config.eos_token_id)
+            self._think = ThinkTokens.of(self.tokenizer)
+        matcher = self._grammars.matcher(self._grammars.compile(params.structured_outputs))
+        return RequestConstraint.for_prompt(matcher, prompt_ids, self._think)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
@@ -232,6 +245,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch a step; read the tokens of the step before it (asynchronous
         scheduling) or of this one. Returns the requests that finished."""
+        if self._in_flight and any(s.request.constraint is not None for s in self._in_flight):
+            # a grammar's next mask needs the token in flight: read it first (the step runs as the
+            # synchronous engine's would)
+            self.sync()
         plan = self.scheduler.schedule()
         now = time.time()
         for request in plan.admitted:
@@ -271,7 +288,7 @@ class LLMEngine:
             work = [ChunkWork(r.slot, r.ids(r.computed, r.computed + n), r.computed, self._lookback(r, r.computed),
                               r.floor) for r, n in group]
             emit = [r.computed + n == r.length for r, n in group]
-            sample = self._step_sampling([r for (r, _), e in zip(group, emit) if e], emit) if decoder else None
+            sample = self._step_sampling([r if e else None for (r, _), e in zip(group, emit)]) if decoder else None
             out = self.runner.run(work, self.cache.page_table, rows=step.rows, decoder=decoder,
                                   tokens=token_bucket(max(len(w.tokens) for w in work)), sample=sample, defer=True)
             for i, (request, n) in enumerate(group):
@@ -283,7 +300,7 @@ class LLMEngine:
             work = [ChunkWork(r.slot, r.ids(r.length - 1, r.length), r.length - 1, self._lookback(r, r.length - 1),
                               r.floor) for r in plan.decode]
             out = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.slots_per_rank, tokens=1,
-                                  sample=self._step_sampling(plan.decode, [True] * len(work)), defer=True)
+                                  sample=self._step_sampling(plan.decode), defer=True)
             for i, request in enumerate(plan.decode):
                 request.computed += 1
                 sampled.append(self._sampled(request, out, i))
@@ -374,11 +391,21 @@ class LLMEngine:
             eos_token_id=self.config.eos_token_id, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_ids)
 
-    @staticmethod
-    def _step_sampling(emitting: list[Request], emit: list[bool]) -> StepSampling:
-        """Log-probabilities are computed in a step only when one of its sampled rows asks."""
+    def _step_sampling(self, rows: list[Request | None]) -> StepSampling:
+        """The sampling of a step's work rows (None: the row emits no token). Log-probabilities
+        are computed only when one of its sampled rows asks; the structured-output masks only when
+        one of them is constrained (built here, from grammars that have read every earlier token)."""
+        emitting = [r for r in rows if r is not None]
         wants = any(r.params.logprobs is not None for r in emitting)
-        return StepSampling(emit, MAX_LOGPROBS if wants else None)
+        constrained = [(i, r.constraint) for i, r in enumerate(rows)
+                       if r is not None and r.constraint is not None and r.constraint.active]
+        allowed = None
+        if constrained:
+            if any(rows[i].pending for i, _ in constrained):  # (`step` reads them first: a safeguard)
+                raise EngineStalledError("a structured-output mask was built before its request's last token was read")
+            allowed = np.full((len(rows), (self.config.vocab_size + 31) // 32), -1, np.int32)
+            self._grammars.fill([(c.matcher, i) for i, c in constrained], allowed)
+        return StepSampling([r is not None for r in rows], MAX_LOGPROBS if wants else None, allowed)
 
     def _settle(self, rows: list[_Sampled]) -> list[Request]:
         """Read the sampled rows of a dispatched step (waiting for the device if need be), append
@@ -409,6 +436,14 @@ class LLMEngine:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         request.metrics.last_token_time = now
+        if request.constraint is not None and not request.constraint.accept(token):
+            # (the mask allowed only what the grammar accepts: a safeguard)
+            log.error("request %r: token %d is outside its structured-output grammar: %s", request.request_id,
+                      token, request.constraint.error)
+            request.finish_reason, request.stop_reason = "stop", "grammar_error"
+            self._flush_text(request)
+            request.status = Status.FINISHED
+            return True
         if request.logprobs is not None:
             entry = {token: Logprob(float(out.logprobs), int(out.ranks), self._decode_one(token))}
             for j in range(request.params.logprobs):
@@ -417,6 +452,11 @@ class LLMEngine:
             request.logprobs.append(entry)
             request.cumulative_logprob += float(out.logprobs)
         if self._check_stop(request, token):
+            request.status = Status.FINISHED
+            return True
+        if request.constraint is not None and request.constraint.finished:  # the grammar is complete
+            request.finish_reason = "stop"
+            self._flush_text(request)
             request.status = Status.FINISHED
             return True
         return False
@@ -448,7 +488,7 @@ class LLMEngine:
             host.append(r.host_drafts)
             r.host_drafts = None
         out = self.runner.verify(work, self.cache.page_table, [r.lookahead for r in requests], host, tokens=k + 1,
-                                 sample=self._step_sampling(requests, [True] * len(requests)))
+                                 sample=self._step_sampling(requests))
         finished = []
         for i, request in enumerate(requests):
             accepted, count = int(out.accepted[i]), int(out.count[i])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,8 @@ class Request:
     # the drafter's (tests' oracle drafts; used once)
     lookahead: int = 0
     host_drafts: list[int] | None = None
+    # structured output: the request's grammar state (`serve.structured.RequestConstraint`), or None
+    constraint: Any = None
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0

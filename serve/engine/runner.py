@@ -81,6 +81,17 @@ class StepSampling:
 
     emit: list[bool]
     num_logprobs: int | None = None
+    # int32 [len(emit), ceil(V / 32)]: each work row's structured-output bitmask (all ones for an
+    # unconstrained row); None when no row is constrained
+    allowed: np.ndarray | None = None
+
+    def allowed_rows(self, row_of: list[int], B: int) -> np.ndarray | None:
+        """`allowed` scattered to the step's `B` padded rows (padding rows allow everything)."""
+        if self.allowed is None:
+            return None
+        full = np.full((B, self.allowed.shape[1]), -1, np.int32)
+        full[row_of] = self.allowed
+        return full
 
 
 def token_bucket(n: int, minimum: int = 128) -> int:
@@ -300,8 +311,10 @@ class ModelRunner:
                 full = np.zeros((B, *folds.shape[1:]), np.uint32)
                 full[row_of] = folds
                 folds = full
-            sample_rows = SampleRows(emit, pos.max(axis=1) + 1, folds)  # the position each row samples
-        key = step_key("prefill" if T > 1 else "decode", B, T, n_pages, all_logits, decoder, head)
+            # the position each row samples
+            sample_rows = SampleRows(emit, pos.max(axis=1) + 1, folds, sample.allowed_rows(row_of, B))
+        kind = ("prefill" if T > 1 else "decode") + ("+masks" if sample is not None and sample.allowed is not None else "")
+        key = step_key(kind, B, T, n_pages, all_logits, decoder, head)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation(key[0]):
             if head is not None:
@@ -371,9 +384,11 @@ class ModelRunner:
                     raise ValueError(f"{len(host)} host drafts for a row that verifies {n}")
                 drafts_in.host_drafts[b, :n] = host
                 drafts_in.use_host[b] = True
-        rows = SampleRows(emit, batch.positions[:, 0] + 1)  # the anchor's next position
+        # the anchor's next position; a constrained row (it verifies no drafts) samples under its mask
+        rows = SampleRows(emit, batch.positions[:, 0] + 1, allowed=sample.allowed_rows(row_of, B))
         head = Sampler(sample.num_logprobs)
-        key = step_key("verify", B, tokens, n_pages, False, True, head)
+        key = step_key("verify" + ("+masks" if sample.allowed is not None else ""), B, tokens, n_pages, False, True,
+                       head)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation("verify"):
             args = jax.tree.map(jnp.asarray, (batch, rows, drafts_in))

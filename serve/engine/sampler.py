@@ -26,6 +26,10 @@ Order of operations (vLLM v1 sampler order):
    values, not V, and the step pays one exp per logit: about 0.5 ms for 8 rows of 129,280 on a
    CPU, where full-vocabulary threefry noise cost about 20 ms.
 
+A structured-output step (`SampleRows.allowed`) first sets the logits of the tokens the rows'
+grammars forbid to -inf (`apply_bitmask`), so everything after, raw log-probabilities included,
+sees the masked distribution, as vLLM's grammar bitmask does.
+
 Steps 1, 2 and 4 and the draw are skipped (`lax.cond`) when no emitting row needs them, so a
 step compiles once whatever its rows ask for. The only static choice is `num_logprobs`:
 
@@ -49,7 +53,7 @@ import jax.numpy as jnp
 from deepinfer.serve.engine import placeholders
 from deepinfer.serve.engine.sampling_state import SamplingState
 
-__all__ = ["BLOCK", "SampleOutput", "SampleRows", "Sampler", "blocked_argmax", "draw", "gumbel", "process_logits",
+__all__ = ["BLOCK", "SampleOutput", "SampleRows", "Sampler", "apply_bitmask", "blocked_argmax", "draw", "gumbel", "process_logits",
            "row_keys", "sample", "slot_settings", "truncate"]
 
 BLOCK = 256
@@ -60,7 +64,8 @@ _GOLDEN = 0x9E3779B9
 _BLOCK_STREAM = 0x5BD1E995  # the block noise's key differs from the token noise's
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["emit", "position", "folds"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["emit", "position", "folds", "allowed"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SampleRows:
     """Per-row inputs of a step's sampler besides the slots."""
@@ -71,6 +76,10 @@ class SampleRows:
     # rows whose input token is a placeholder (`placeholders.py`); None in prefill steps and
     # without Engram
     folds: Any = None
+    # i32[B, ceil(V / 32)]: the structured-output bitmask of each row (`serve.structured`: token
+    # i is allowed iff bit i % 32 of word i // 32 is set; unconstrained rows are all ones); None
+    # when no row of the step is constrained, which compiles the step without it
+    allowed: Any = None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -156,6 +165,15 @@ def draw(scaled: jax.Array, keys: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------- processing
 
 
+def apply_bitmask(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """`logits [B, V]` with the tokens that `allowed [B, ceil(V / 32)]` (int32 words, little-endian
+    bits) does not allow set to -inf."""
+    B, V = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = (allowed.astype(jnp.uint32)[:, :, None] >> shifts) & jnp.uint32(1)
+    return jnp.where(bits.reshape(B, -1)[:, :V] != 0, logits, -jnp.inf)
+
+
 def slot_settings(state: SamplingState, slots: jax.Array) -> dict[str, jax.Array]:
     """The per-slot scalars and lists of each row (the dense history stays where it is)."""
     names = [f.name for f in dataclasses.fields(state) if f.name not in ("output_counts", "prompt_seen")]
@@ -239,6 +257,8 @@ def sample(logits: jax.Array, state: SamplingState, slots: jax.Array, rows: Samp
         # the logits are materialised once: left fusable, XLA recomputed the model's head
         # projection inside the sampler's full-vocabulary passes (measured: ~20 % of a CPU step)
         raw = jax.lax.optimization_barrier(logits.astype(jnp.float32))
+        if rows.allowed is not None:  # structured output: before everything, as in vLLM
+            raw = apply_bitmask(raw, rows.allowed)
         processed = process_logits(raw, state, slots, rows.emit)
         p = slot_settings(state, slots)
         greedy = blocked_argmax(processed)

@@ -137,9 +137,11 @@ class SpecDecodeCounts:
 def speculatable(params: SamplingParams, num_output: int) -> bool:
     """Whether a request that has generated `num_output` tokens verifies drafts in its next step:
     greedy or sampled, as long as nothing makes a position's logits depend on the drafts before
-    it (penalties, min_tokens bans still active) and it asks for no logprobs."""
+    it (penalties, min_tokens bans still active), it asks for no logprobs and has no
+    structured-output constraint (its drafts would need a grammar mask per position: not built;
+    such a row samples its one token under its mask in the verify step)."""
     return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
-            and num_output >= params.min_tokens and params.logprobs is None)
+            and num_output >= params.min_tokens and params.logprobs is None and params.structured_outputs is None)
 
 
 @jax.tree_util.register_dataclass

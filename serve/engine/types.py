@@ -29,6 +29,7 @@ from typing import Any, Literal, Mapping
 
 __all__ = [
     "MAX_LOGPROBS",
+    "StructuredOutputsParams",
     "CompletionOutput",
     "FinishReason",
     "Logprob",
@@ -73,6 +74,87 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A structured-output constraint, with vLLM's names: exactly one of
+
+    * `json`: a JSON Schema (a dict or its JSON text) the output must validate against;
+    * `json_object`: True for any JSON object;
+    * `regex`: a regular expression the whole output must match;
+    * `choice`: a list of strings, the output is exactly one of them;
+    * `grammar`: a Lark grammar (llguidance's dialect) or a GBNF/EBNF grammar (`::=` rules).
+
+    `disable_any_whitespace` makes JSON compact (no whitespace between tokens). The grammar is
+    compiled when the request is added (`deepinfer.serve.structured`); a schema or grammar that
+    does not compile is refused there with an error naming the field.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            _fail("structured_outputs", f"give exactly one of {', '.join(self.KINDS)}, got "
+                  f"{', '.join(given) if given else 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, Mapping)):
+            _fail("structured_outputs.json", f"must be a JSON Schema (an object or its JSON text), got "
+                  f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _fail(f"structured_outputs.{name}", f"must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice \
+                    or not all(isinstance(c, str) and c for c in self.choice):
+                _fail("structured_outputs.choice", f"must be a non-empty list of non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None:
+            _check_bool("structured_outputs.json_object", self.json_object)
+        _check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "StructuredOutputsParams":
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, Mapping):
+            _fail("structured_outputs", f"must be an object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in names:
+                _fail("structured_outputs", f"unknown key {key!r} (known: {', '.join(sorted(names))})")
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    @classmethod
+    def from_response_format(cls, response_format: Mapping[str, Any] | None) -> "StructuredOutputsParams | None":
+        """The constraint of an OpenAI `response_format` (`text` and None: none)."""
+        if response_format is None:
+            return None
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
+                _fail("response_format.json_schema", "must be an object with a `schema` object")
+            return cls(json=dict(spec["schema"]))
+        if kind == "regex":  # vLLM's extension
+            return cls(regex=response_format.get("regex"))
+        _fail("response_format.type", f"must be text, json_object, json_schema or regex, got {kind!r}")
+
+
+@dataclass
 class SamplingParams:
     """Sampling and stopping settings of one request (vLLM names and defaults).
 
@@ -109,6 +191,8 @@ class SamplingParams:
         detokenize: produce `text`; False returns token ids only.
     Logit constraints
         logit_bias: {token id: bias} added to the logits before sampling.
+        structured_outputs: a `StructuredOutputsParams` (or its dict): the output follows a
+            JSON Schema, a regex, a grammar or one of a list of choices.
 
     `from_dict` builds one from a mapping with vLLM names and the OpenAI request names
     (`max_completion_tokens`, `logprobs: bool` + `top_logprobs`, `logit_bias` with string
@@ -136,6 +220,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # n
@@ -226,6 +311,9 @@ class SamplingParams:
                     _fail("logit_bias", f"bias of token {tid} must be a finite number, got {value!r}")
                 bias[tid] = float(value)
             self.logit_bias = bias
+        # structured output
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     # ------------------------------------------------------------------ helpers
 

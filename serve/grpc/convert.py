@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from deepinfer.serve.api.types import MAX_LOGPROBS, Logprob, RequestOutput, SamplingParams
+from deepinfer.serve.api.types import MAX_LOGPROBS, Logprob, RequestOutput, SamplingParams, StructuredOutputsParams
 from deepinfer.serve.grpc import deepinfer_engine_pb2 as pb
 
 __all__ = [
@@ -124,13 +124,36 @@ def _logprobs_setting(sp: pb.SamplingParams, request: pb.GenerateRequest | None)
     return value
 
 
+def _constraint(sp: pb.SamplingParams) -> StructuredOutputsParams | None:
+    """The structured-output constraint of the proto's `constraint` oneof (compiled by the engine)."""
+    which = sp.WhichOneof("constraint")
+    if which is None:
+        return None
+    field = f"sampling_params.{which}"
+    if which == "structural_tag":
+        raise InvalidArgument(field, "structural tags are not supported (use json_schema, regex, ebnf_grammar "
+                                     "or choice)")
+    try:
+        if which == "json_schema":
+            try:
+                schema = json.loads(sp.json_schema)
+            except json.JSONDecodeError as e:
+                raise InvalidArgument(field, f"not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+            return StructuredOutputsParams(json=schema)
+        if which == "choice":
+            return StructuredOutputsParams(choice=list(sp.choice.choices))
+        return StructuredOutputsParams(**{"regex" if which == "regex" else "grammar": getattr(sp, which)})
+    except InvalidArgument:
+        raise
+    except ValueError as e:
+        raise InvalidArgument(field, str(e).partition(": ")[2]) from None
+
+
 def sampling_params_from_proto(sp: pb.SamplingParams, request: pb.GenerateRequest | None = None, *,
                                vocab_size: int, default_max_tokens: int | None = None) -> SamplingParams:
     """The engine's `SamplingParams` for a proto `SamplingParams` (unset optional fields take the
     engine defaults; `max_new_tokens` unset takes `default_max_tokens`, None = up to the context)."""
-    which = sp.WhichOneof("constraint")
-    if which is not None:
-        raise InvalidArgument(f"sampling_params.{which}", "structured output is not supported yet")
+    constraint = _constraint(sp)
     if sp.custom_params.fields:
         raise InvalidArgument("sampling_params.custom_params",
                               f"no custom parameters are supported, got {sorted(sp.custom_params.fields)}")
@@ -175,6 +198,7 @@ def sampling_params_from_proto(sp: pb.SamplingParams, request: pb.GenerateReques
         logprobs=logprobs,
         detokenize=sp.detokenize if sp.HasField("detokenize") else True,
         logit_bias=bias or None,
+        structured_outputs=constraint,
     )
     try:
         return SamplingParams(**kwargs)

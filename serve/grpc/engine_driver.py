@@ -47,6 +47,18 @@ def _as_loaded(value: Any) -> LoadedModel:
     raise TypeError(f"expected an LLMEngine or a LoadedModel, got {type(value).__name__}")
 
 
+# a structured-output spec the engine could not compile, named by the request's proto field
+_CONSTRAINT_FIELDS = {"structured_outputs.json": "sampling_params.json_schema",
+                      "structured_outputs.regex": "sampling_params.regex",
+                      "structured_outputs.grammar": "sampling_params.ebnf_grammar",
+                      "structured_outputs.choice": "sampling_params.choice"}
+
+
+def _proto_field_names(message: str) -> str:
+    field, sep, rest = message.partition(":")
+    return _CONSTRAINT_FIELDS[field] + sep + rest if sep and field in _CONSTRAINT_FIELDS else message
+
+
 # ---- the engine thread ----------------------------------------------------------------------------
 
 
@@ -224,7 +236,7 @@ class EngineDriver:
             self._post(stream, ("rejected", f"{stream.prompt.field}: {e}"))
             return
         except ValueError as e:  # the engine's own validation ("<field>: ...")
-            self._post(stream, ("rejected", str(e)))
+            self._post(stream, ("rejected", _proto_field_names(str(e))))
             return
         except Exception as e:  # noqa: BLE001
             log.exception("add_request failed")

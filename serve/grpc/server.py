@@ -32,6 +32,7 @@ end with finish_reason "abort"), then the transport stops.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -454,6 +455,17 @@ class GrpcServer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         kind = request.WhichOneof("input")
         prompt = await self._prepare_prompt(kind, getattr(request, kind) if kind else None, context)
+        if prompt.chat is not None and params.structured_outputs is None and prompt.chat.output_constraint:
+            # the answer follows the tools (DeepSeek's tool-call block) or the response format
+            from deepinfer.serve.structured.tool_calls import chat_constraint
+
+            try:
+                constraint = chat_constraint(prompt.chat.output_constraint, model_type=engine.config.model_type,
+                                             dsml_token_id=engine.tokenizer.token_to_id("｜DSML｜"))
+            except ValueError as e:
+                self.metrics.rejected()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat.tools_json: {e}")
+            params = dataclasses.replace(params, structured_outputs=constraint)
         # no await between these checks and the registration below
         await self._require_model(context)
         if rid in self._active:

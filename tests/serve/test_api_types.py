@@ -13,7 +13,7 @@ VLLM_DEFAULTS = {
     "stop": [], "stop_token_ids": [], "ignore_eos": False, "max_tokens": 16, "min_tokens": 0,
     "include_stop_str_in_output": False, "logprobs": None, "prompt_logprobs": None,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "detokenize": True,
-    "logit_bias": None,
+    "logit_bias": None, "structured_outputs": None,
 }
 
 

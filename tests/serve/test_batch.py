@@ -164,3 +164,41 @@ def test_metrics_server_answers_during_a_batch(llm, tmp_path, monkeypatch):
     src.write_text(line("c", COMPLETIONS, {"prompt": [0, 5, 6], "max_tokens": 1, "temperature": 0}) + "\n")
     batch.run_batch(llm, src, dst, prometheus_port=0, use_tqdm=False)
     assert scraped and "vllm:num_requests_waiting" in scraped[0]
+
+
+def test_response_format_and_structured_outputs_lines(llm, tmp_path):
+    """A `response_format` json_schema line answers with JSON valid under its schema; a bad schema
+    or regex fails its own line, naming the field, and the other lines still run."""
+    import jsonschema
+
+    from deepinfer.serve.api.batch import run_batch
+
+    # a schema with no room for whitespace (llguidance's JSON allows it between tokens, where a
+    # random model may write it until max_tokens; the engine's tests use compact JSON)
+    schema = {"anyOf": [{"enum": ["alpha", "beta"]}, {"type": "integer", "minimum": 0, "maximum": 99}]}
+    # (completions: a chat response_format renders a system block, which needs the V4.1 tokenizer's
+    # <｜System｜>; the bundled V4 tokenizer lacks it)
+    rows = [
+        line("schema", COMPLETIONS, {"prompt": "A city and its rank:", "max_tokens": 60, "temperature": 0,
+                                     "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "city", "schema": schema}}}),
+        line("bad-schema", COMPLETIONS, {"prompt": "x", "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}),
+        line("bad-regex", COMPLETIONS, {"prompt": "Code:", "structured_outputs": {"regex": "[0-9"}}),
+        line("choice", COMPLETIONS, {"prompt": "Mood:", "max_tokens": 8, "temperature": 0,
+                                     "structured_outputs": {"choice": ["happy", "sad"]}}),
+        line("free", COMPLETIONS, {"prompt": "Hello", "max_tokens": 3, "temperature": 0}),
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    summary = run_batch(llm, src, dst, use_tqdm=False)
+    by_id = {row["custom_id"]: row for row in read(dst)}
+    assert summary.succeeded == 3 and summary.failed == 2
+    answer = by_id["schema"]["response"]["body"]["choices"][0]
+    assert answer["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(answer["text"]), schema)
+    assert by_id["choice"]["response"]["body"]["choices"][0]["text"] in ("happy", "sad")
+    assert by_id["bad-schema"]["error"]["param"] == "response_format.json_schema"
+    assert "strin" in by_id["bad-schema"]["error"]["message"]
+    assert by_id["bad-regex"]["error"]["param"] == "structured_outputs"
+    assert "line 3: structured_outputs.regex: " in by_id["bad-regex"]["error"]["message"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -246,6 +247,21 @@ def test_streaming_generate_equals_the_engine(server, stub, reference, model):
     wait_released(server)
 
 
+def test_constrained_generate(server, stub):
+    """A choice and a regex constraint come back complete and valid (JSON Schemas: the engine's
+    tests and `_bad_cases`)."""
+    req = request(prompt_ids(10, 3), temperature=0.0, max_new_tokens=20)
+    req.sampling_params.choice.choices.extend(["red", "green", "blue"])
+    _, complete, error = collect(stub, req)
+    assert error is None and complete.finish_reason == "stop" and complete.text in ("red", "green", "blue")
+    req = request(prompt_ids(14, 4), temperature=0.7, seed=1, max_new_tokens=40)
+    req.sampling_params.regex = "[0-9]{2}-(yes|no)"
+    _, complete, error = collect(stub, req)
+    assert error is None and complete.finish_reason == "stop"
+    assert re.fullmatch("[0-9]{2}-(yes|no)", complete.text), complete.text
+    wait_released(server)
+
+
 def test_stop_token_and_stream_interval(server, stub, reference):
     ids = prompt_ids(12, 2)
     free = reference(ids, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)).outputs[0].token_ids
@@ -477,7 +493,10 @@ def _bad_cases(vocab: int):
         ("unknown logit bias id", sp(logit_bias={str(vocab + 1): 2.0}), "sampling_params.logit_bias"),
         ("non-integer logit bias id", sp(logit_bias={"abc": 2.0}), "sampling_params.logit_bias"),
         ("infinite logit bias", sp(logit_bias={"5": float("inf")}), "sampling_params.logit_bias"),
-        ("regex", sp(regex="a+"), "sampling_params.regex"),
+        ("regex that does not compile", sp(regex="a["), "sampling_params.regex"),
+        ("json_schema not JSON", sp(json_schema="{"), "sampling_params.json_schema"),
+        ("json_schema of an unknown type", sp(json_schema='{"type": "strin"}'), "sampling_params.json_schema"),
+        ("structural_tag", sp(structural_tag="{}"), "sampling_params.structural_tag"),
         ("stream_interval 0", sp(stream_interval=0), "sampling_params.stream_interval"),
         ("too many logprobs", top(50), "top_logprobs_num"),
         ("no input", set_input("none", None), "input"),
