@@ -82,7 +82,7 @@ def expected_format(spec: ParamSpec, config: ModelConfig, role: str) -> tuple[st
 # ---- writing ---------------------------------------------------------------------------
 
 
-def _official_arrays(spec: ParamSpec, leaf: Any, config: ModelConfig) -> dict[str, np.ndarray]:
+def official_arrays(spec: ParamSpec, leaf: Any, config: ModelConfig) -> dict[str, np.ndarray]:
     """The official tensors of one leaf, quantizing a dense leaf as the release does."""
     out: dict[str, np.ndarray] = {}
     names = tensor_names(spec)
@@ -122,12 +122,19 @@ def _shard_key(name: str) -> str:
 def write_checkpoint(params: dict, config: ModelConfig, directory: str | os.PathLike) -> None:
     """Write `params` (dense or quantized leaves) in the official format: shards, index, an
     HF-style `config.json`, and the checksum manifest `deepinfer-manifest.json`."""
+    arrays = {}
+    for spec in param_specs(config, include_mtp="mtp" in params):
+        arrays.update(official_arrays(spec, tree_get(params, spec.path), config))
+    write_official_arrays(arrays, config, directory)
+
+
+def write_official_arrays(arrays: dict[str, np.ndarray], config: ModelConfig, directory: str | os.PathLike) -> None:
+    """Write the official tensors `arrays` (name -> array as stored) as `write_checkpoint` does."""
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     groups: dict[str, dict[str, np.ndarray]] = defaultdict(dict)
-    for spec in param_specs(config, include_mtp="mtp" in params):
-        for name, array in _official_arrays(spec, tree_get(params, spec.path), config).items():
-            groups[_shard_key(name)][name] = array
+    for name, array in arrays.items():
+        groups[_shard_key(name)][name] = array
     keys = sorted(groups)
     weight_map, total = {}, 0
     for i, key in enumerate(keys):

@@ -300,10 +300,12 @@ def _make_llm(args: argparse.Namespace, **extra: Any):
 
 
 def _describe_model(llm) -> str:
-    from deepinfer.serve.api.llm import DEFAULT_MODEL
+    from deepinfer.serve.api.llm import DEFAULT_MODEL, TRAINED_MODEL
 
     if llm.model_name == DEFAULT_MODEL:
         return f"{DEFAULT_MODEL} (embedded, random weights; checkpoint {llm.model_dir})"
+    if llm.model_name == TRAINED_MODEL:
+        return f"{TRAINED_MODEL} (embedded, trained on the Python standard library; checkpoint {llm.model_dir})"
     return f"{llm.model_name} (checkpoint {llm.model_dir})"
 
 

@@ -147,6 +147,34 @@ def test_drafter_phase_loss_falls_on_the_frozen_target(whole):
     assert json.loads((whole["out"] / "sts.json").read_text()) == fitted
 
 
+def test_ship_packs_the_run_and_the_pack_rebuilds_its_checkpoint(whole, tmp_path):
+    """`scripts/ship_tiny.py`: the pack of the finished run (target, and the drafter of the test
+    above) rebuilds the checkpoint `write_checkpoint` makes of the exported params, bit for bit."""
+    import ship_tiny
+
+    from deepinfer.model.checkpoint import write_checkpoint
+    from deepinfer.model.compact_weights import write_checkpoint_from_pack
+    from deepinfer.model.config import config_from_dict
+
+    corpus = pathlib.Path(whole["setup"]["meta"]["key"]["root"])
+    run = _run(whole["out"], corpus, eval_every=3)
+    drun = dataclasses.replace(run, phase="drafter", steps=5, anchors=4, warmup=1)  # the drafter test's
+    (whole["out"] / "run.json").write_text(json.dumps(dataclasses.asdict(run)))  # (what main() writes)
+    (whole["out"] / "run-drafter.json").write_text(json.dumps(dataclasses.asdict(drun)))
+    info = ship_tiny.main(["--out", str(whole["out"]), "--dest", str(tmp_path / "weights"), "--name", "t"])
+    assert info["drafter"].startswith("trained") and info["bytes"] == (tmp_path / "weights" / "t.npz").stat().st_size
+    s = whole["setup"]
+    config = config_from_dict(info["config"], name=s["config"].name)
+    assert config == s["config"]
+    write_checkpoint_from_pack(tmp_path / "weights" / "t.npz", config, 0, tmp_path / "rebuilt", info["sha256"])
+    state, _ = train_drafter.drafter_state(drun, config, s["used"])
+    params = train_tiny.export_params(whole["state"]["params"], config, s["used"], 0)
+    params["mtp"] = train_drafter.export_drafter(state["params"], config, s["used"], 0)
+    write_checkpoint(params, config, tmp_path / "direct")
+    for path in sorted((tmp_path / "direct").iterdir()):
+        assert path.read_bytes() == (tmp_path / "rebuilt" / path.name).read_bytes(), path.name
+
+
 @pytest.mark.slow
 def test_exported_model_scores_what_training_scored_and_the_checkpoint_stores_its_rounding(whole, tmp_path):
     """The full-vocabulary export (U rows trained, other head rows zero) gives the training

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -70,12 +71,15 @@ from deepinfer.serve.text.chat import (
     prepare_chat,
 )
 
-__all__ = ["DEFAULT_MODEL", "LLM", "PREFILL_MODES", "default_cache_dir", "ensure_default_checkpoint", "parse_chat_completion"]
+__all__ = ["DEFAULT_MODEL", "TRAINED_MODEL", "LLM", "ensure_trained_checkpoint", "PREFILL_MODES", "default_cache_dir", "ensure_default_checkpoint", "parse_chat_completion"]
 
 log = logging.getLogger("deepinfer.llm")
 
 DEFAULT_MODEL = "tiny-v4.1"
 DEFAULT_WEIGHT_SEED = 0
+# tiny-v4.1 trained on the Python standard library (`scripts/train_tiny.py`), shipped compactly
+# in `model/weights/` (`model/compact_weights.py`)
+TRAINED_MODEL = "tiny-v4.1-trained"
 CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_format")
 _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
@@ -99,6 +103,36 @@ def _is_complete(directory: str) -> bool:
             and os.path.isfile(os.path.join(directory, "config.json")))
 
 
+def trained_weights() -> dict:
+    """What `model/weights/tiny-v4.1-trained.json` says of the shipped trained pack (with `path`)."""
+    from deepinfer.model import compact_weights
+
+    info_path = os.path.join(os.path.dirname(os.path.abspath(compact_weights.__file__)), "weights",
+                             f"{TRAINED_MODEL}.json")
+    try:
+        with open(info_path, encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model: the embedded {TRAINED_MODEL!r} weights are not here ({info_path}: {e})") from None
+    return {**info, "path": os.path.join(os.path.dirname(info_path), info["file"])}
+
+
+def ensure_trained_checkpoint(cache_dir: str | os.PathLike | None = None) -> tuple[str, bool]:
+    """The official checkpoint of the shipped trained tiny model (`model/compact_weights.py`),
+    written once (the pack's checksum checked) under `~/.cache/deepinfer/tiny-v4.1-trained-<sha>`;
+    returns `(directory, written_now)`."""
+    from deepinfer.model.compact_weights import write_checkpoint_from_pack
+    from deepinfer.model.config import config_from_dict
+
+    info = trained_weights()
+    if cache_dir is None:
+        cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", f"{TRAINED_MODEL}-{info['sha256'][:12]}")
+    config = config_from_dict(info["config"], name=TRAINED_MODEL)
+    return _materialize(cache_dir, lambda tmp: write_checkpoint_from_pack(info["path"], config, info["seed"], tmp,
+                                                                          info["sha256"]),
+                        f"trained {TRAINED_MODEL}")
+
+
 def ensure_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> tuple[str, bool]:
     """Make sure the embedded default checkpoint exists; returns `(directory, written_now)`.
 
@@ -107,7 +141,18 @@ def ensure_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> tup
     race, its copy is kept and ours is discarded. A non-empty `cache_dir` that is not a complete
     checkpoint is an error (delete it to have it rewritten).
     """
-    target = os.path.abspath(os.fspath(cache_dir) if cache_dir is not None else default_cache_dir())
+    def write(tmp: str) -> None:
+        config = load_config(DEFAULT_MODEL, dtype="float32")
+        write_checkpoint(init_params(config, DEFAULT_WEIGHT_SEED), config, tmp)
+
+    return _materialize(cache_dir if cache_dir is not None else default_cache_dir(), write,
+                        f"{DEFAULT_MODEL} (random weights, seed {DEFAULT_WEIGHT_SEED})")
+
+
+def _materialize(cache_dir: str | os.PathLike, write, what: str) -> tuple[str, bool]:
+    """`write(tmp)` into a temporary sibling of `cache_dir`, renamed onto it unless another
+    process won the race; a non-empty `cache_dir` that is no complete checkpoint is an error."""
+    target = os.path.abspath(os.fspath(cache_dir))
     if _is_complete(target):
         return target, False
     if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
@@ -117,16 +162,14 @@ def ensure_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> tup
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
     try:
-        config = load_config(DEFAULT_MODEL, dtype="float32")
-        write_checkpoint(init_params(config, DEFAULT_WEIGHT_SEED), config, tmp)
+        write(tmp)
         try:
             os.rename(tmp, target)  # atomic; fails if another process already put a copy there
         except OSError:
             if not _is_complete(target):
                 raise
             return target, False
-        log.info("wrote the embedded %s checkpoint (random weights, seed %d) to %s",
-                 DEFAULT_MODEL, DEFAULT_WEIGHT_SEED, target)
+        log.info("wrote the embedded %s checkpoint to %s", what, target)
         return target, True
     finally:
         if os.path.isdir(tmp):
@@ -429,6 +472,9 @@ class LLM:
         if model is None or str(model) == DEFAULT_MODEL:
             directory, _ = ensure_default_checkpoint(cache_dir)
             return directory, DEFAULT_MODEL
+        if str(model) == TRAINED_MODEL:
+            directory, _ = ensure_trained_checkpoint(cache_dir)
+            return directory, TRAINED_MODEL
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model: must be a checkpoint directory or a preset name, got {type(model).__name__}")
         path = os.fspath(model)
