@@ -77,14 +77,15 @@ def main() -> None:
             warm, _, _ = run(engine, prompts, sampling, oracle, tag="warm-")  # compile
             if oracle is not None:  # the verify steps' own continuation: plain decoding's may differ
                 oracle = warm       # at a near-tie (fake-quant rounding), which its drafts never recover
-            before = dict(engine.stats)
+            counts = engine.spec_counts
+            before = (counts.num_draft_tokens, counts.num_accepted_tokens) if counts else (0, 0)
             outputs, seconds, steps = run(engine, prompts, sampling, oracle)
             if name == "plain":
                 reference = outputs
             tok_s = batch * args.output_len / seconds
             base = base or tok_s
-            verified = engine.stats["spec_drafts"] - before["spec_drafts"]
-            accepted = engine.stats["spec_accepted"] - before["spec_accepted"]
+            verified = counts.num_draft_tokens - before[0] if counts else 0
+            accepted = counts.num_accepted_tokens - before[1] if counts else 0
             per_step = f"{accepted / max(1, steps - 1) / batch:.2f}" if verified else "-"
             print(f"{batch:>5} {name:>16} {tok_s:>10.1f} {steps:>6} {per_step:>14} {tok_s / base:>8.2f}x", flush=True)
 

@@ -153,8 +153,7 @@ class LLMEngine:
         self._step_count = 0
         self._in_flight: list[_Sampled] = []  # the dispatched step's sampled rows, not read yet
         self._ready: list[RequestOutput] = []  # finished by `sync()`, returned by the next step
-        # spec_*: drafts sent for verification and accepted (speculative decoding)
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "spec_drafts": 0, "spec_accepted": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         # vLLM's spec-decode counters (`SpecDecodeCounts.metrics`); None without speculative decoding
         self.spec_counts = None if self.speculative is None else SpecDecodeCounts(
             self.speculative.num_speculative_tokens)
@@ -493,8 +492,6 @@ class LLMEngine:
         for i, request in enumerate(requests):
             accepted, count = int(out.accepted[i]), int(out.count[i])
             request.computed += 1 + accepted  # the anchor and the accepted drafts are in the cache
-            self.stats["spec_drafts"] += request.lookahead
-            self.stats["spec_accepted"] += accepted
             self.spec_counts.record(request.lookahead, accepted)
             if request.lookahead:
                 gained = [(int(t), None) for t in out.tokens[i, :count]]

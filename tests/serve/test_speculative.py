@@ -101,7 +101,7 @@ def _agree(got: list[int], ref) -> None:
 
 def test_greedy_speculation_equals_plain_decoding(model, plain):
     engine, outputs = _run(model, SpeculativeConfig(num_speculative_tokens=K))
-    assert engine.stats["spec_drafts"] > 0
+    assert engine.spec_counts.num_draft_tokens > 0
     for rid, _, sp in _requests():
         if sp.temperature == 0 or rid in REFERENCE:
             _agree(outputs[rid].token_ids, plain[REFERENCE.get(rid, rid)])
@@ -140,7 +140,7 @@ def test_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(model, plai
     for rid, n, drafts in injected:
         got = outputs[rid].token_ids[n:n + len(drafts)]
         expected += next((j for j, (d, t) in enumerate(zip(drafts, got)) if d != t), len(drafts))
-    assert engine.stats["spec_accepted"] == expected
+    assert engine.spec_counts.num_accepted_tokens == expected
     greedy = [rid for rid, _, sp in exact if sp.logprobs is None]
     # most tokens came from accepted drafts: far fewer steps than tokens
     assert expected >= len(greedy) * MAX_TOKENS // 3, expected
@@ -175,11 +175,11 @@ def test_llm_speculative_config(tmp_path):
     out = llm.generate([[0, 101, 102, 103]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 9
-    assert llm.engine.stats["spec_drafts"] > 0
+    assert llm.engine.spec_counts.num_draft_tokens > 0
     # vLLM's spec-decode counters, in get_metrics and in the Prometheus exposition of run-batch
     m = llm.get_metrics()
-    assert m["vllm:spec_decode_num_draft_tokens"] == llm.engine.stats["spec_drafts"]
-    assert m["vllm:spec_decode_num_accepted_tokens"] == llm.engine.stats["spec_accepted"]
+    assert m["vllm:spec_decode_num_draft_tokens"] == llm.engine.spec_counts.num_draft_tokens
+    assert m["vllm:spec_decode_num_accepted_tokens"] == llm.engine.spec_counts.num_accepted_tokens
     per_pos = [m["vllm:spec_decode_num_accepted_tokens_per_pos"][str(j)] for j in range(3)]
     assert sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens"]
     assert per_pos == sorted(per_pos, reverse=True)  # accepting draft j needs every draft before it

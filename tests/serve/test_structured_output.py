@@ -173,7 +173,7 @@ def test_dspark_on_and_off_give_the_same_constrained_outputs(model):
     requests = [r for r in _constrained() if r[2].temperature == 0][:3]
     free = [("free", _prompts()[1], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), None)]
     engine, spec = _run(model, requests + free, speculative=SpeculativeConfig(num_speculative_tokens=5))
-    assert engine.stats["spec_drafts"] > 0  # the unconstrained request did speculate
+    assert engine.spec_counts.num_draft_tokens > 0  # the unconstrained request did speculate
     _, plain = _run(model, requests)
     for rid, *_ in requests:
         _agree(spec[rid], plain[rid])
