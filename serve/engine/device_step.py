@@ -20,7 +20,7 @@ from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
 from deepinfer.serve.engine.sampling_state import SamplingState
 
-__all__ = ["step_and_sample"]
+__all__ = ["sample_logits", "step_and_sample", "step_logits"]
 
 
 def step_and_sample(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows, *,
@@ -32,3 +32,20 @@ def step_and_sample(params: dict, cache: KVCache, state: SamplingState, batch: S
     cache, logits, counts = step_body(params, cache, batch, config=config, layout=layout, kernels=kernels)
     state, out = head(jax.lax.optimization_barrier(logits), state, batch.slots, rows)
     return cache, state, out, counts
+
+
+def step_logits(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows, *,
+                config: ModelConfig, layout: CacheLayout,
+                kernels: KernelConfig | None = None) -> tuple[KVCache, jax.Array, jax.Array]:
+    """The first half of `step_and_sample` as its own program: placeholders resolved, the model
+    step; the rows' last-token logits stay on the device for `sample_logits`. A decode step whose
+    structured-output masks need the previous step's tokens runs so: the host reads those tokens
+    and builds the masks while the device runs this."""
+    batch = Sampler.resolve(batch, state, rows, config)
+    return step_body(params, cache, batch, config=config, layout=layout, kernels=kernels)
+
+
+def sample_logits(logits: jax.Array, state: SamplingState, slots: jax.Array, rows: SampleRows, *,
+                  head: Sampler = Sampler()) -> tuple[SamplingState, SampleOutput]:
+    """The second half: the sampler on `step_logits`' logits (with the rows' masks)."""
+    return head(logits, state, slots, rows)

@@ -21,6 +21,13 @@ when the last token is dispatched, as the synchronous engine would after reading
 runs the steps in the order they were dispatched (each takes the cache the previous returned),
 so a page or slot freed while a step that writes it is in flight is only reused after it.
 
+Structured output (`serve/structured`): a constrained row's mask needs every token its request
+has sampled. When a decode step has such a row whose last token is still in flight, the step runs
+as two programs (`runner.run_split`): the model half is dispatched first, then the host reads the
+previous step, advances the grammars and builds the masks while the device computes, then the
+sampler half is dispatched with them. (On a mesh or with speculative decoding the engine reads
+the previous step first instead.)
+
 DSpark speculative decoding (`EngineConfig.speculative`, `speculative.py`): the decodes run as one
 verify step in which the drafter proposes each request's next block, the target verifies it and
 the request gains the accepted drafts and one more token. The host only chooses how many drafts
@@ -45,7 +52,7 @@ from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.cache import AdmissionError, CacheBudget, CacheManager, make_layout
 from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.request import Request, Status
-from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples, StepSampling, token_bucket
+from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples, SplitStep, StepSampling, token_bucket
 from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.scheduler import GRANULE, Scheduler, prefill_passes
 from deepinfer.serve.engine.speculative import SpecDecodeCounts, SpeculativeConfig, speculatable
@@ -159,6 +166,9 @@ class LLMEngine:
             self.speculative.num_speculative_tokens)
         self.warmed_shapes: set = set()  # step shapes `serve.engine.warmup.warm_up` compiled
         self._grammars = None  # the structured-output backend, built for the first constrained request
+        # a decode step can run as two programs (`runner.run_split`) where its masks need the
+        # tokens in flight (asynchronous scheduling, one device, no speculative decoding)
+        self._splits = self.async_scheduling and self.speculative is None and mesh is None
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -244,9 +254,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch a step; read the tokens of the step before it (asynchronous
         scheduling) or of this one. Returns the requests that finished."""
-        if self._in_flight and any(s.request.constraint is not None for s in self._in_flight):
-            # a grammar's next mask needs the token in flight: read it first (the step runs as the
-            # synchronous engine's would)
+        if self._in_flight and not self._splits and any(s.request.constraint is not None for s in self._in_flight):
+            # a grammar's next mask needs the token in flight and this engine cannot split its
+            # decode step (mesh, speculative decoding): read it first, as the synchronous engine does
             self.sync()
         plan = self.scheduler.schedule()
         now = time.time()
@@ -259,12 +269,17 @@ class LLMEngine:
             if request.slot is not None:  # (not preempted again while this step was planned)
                 self.runner.write_sampling(request.slot, self._slot_row(request))
                 self._sampling_slots.add(request.slot)
-        sampled = self._dispatch(plan)
+        # a constrained decode whose last token is in flight: the model half of the decode step
+        # runs while the host reads that token and builds the masks, then the sampler (`_split`)
+        split = self._splits and any(r.constraint is not None and r.pending for r in plan.decode)
+        sampled, deferred = self._dispatch(plan, split)
         if self.async_scheduling:
             to_read, self._in_flight = self._in_flight, sampled
         else:
             to_read = sampled
         finished = self._settle(to_read)
+        if deferred is not None:
+            self._in_flight += self._sample_split(deferred, plan.decode)
         if self.speculative is not None and plan.decode:
             finished += self._verify(plan.decode)
         self._finish_stuck(plan, finished)
@@ -278,9 +293,10 @@ class LLMEngine:
         outputs, self._ready = self._ready + self._complete(finished), []
         return outputs
 
-    def _dispatch(self, plan) -> list[_Sampled]:
+    def _dispatch(self, plan, split: bool = False) -> tuple[list[_Sampled], SplitStep | None]:
         """Run the plan's prefill chunks and decodes on the device without waiting for them;
-        returns the rows that sampled a token (pending in their request until read)."""
+        returns the rows that sampled a token (pending in their request until read) and, with
+        `split`, the decode step whose sampler is still to be dispatched (`_sample_split`)."""
         sampled: list[_Sampled] = []
         for step in prefill_passes(plan.prefill, self.cache):
             decoder, group = step.decoder, step.chunks
@@ -298,12 +314,24 @@ class LLMEngine:
         if plan.decode and self.speculative is None:
             work = [ChunkWork(r.slot, r.ids(r.length - 1, r.length), r.length - 1, self._lookback(r, r.length - 1),
                               r.floor) for r in plan.decode]
+            if split:
+                deferred = self.runner.run_split(work, self.cache.page_table)
+                for request in plan.decode:
+                    request.computed += 1
+                return sampled, deferred
             out = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.slots_per_rank, tokens=1,
                                   sample=self._step_sampling(plan.decode), defer=True)
             for i, request in enumerate(plan.decode):
                 request.computed += 1
                 sampled.append(self._sampled(request, out, i))
-        return sampled
+        return sampled, None
+
+    def _sample_split(self, deferred: SplitStep, requests: list[Request]) -> list[_Sampled]:
+        """Dispatch the sampler of a split decode step, the previous step's tokens read and the
+        grammars advanced; a request that finished meanwhile keeps no token (and writes no state)."""
+        rows = [None if r.finished else r for r in requests]
+        out = deferred.sample(self._step_sampling(rows))
+        return [self._sampled(r, out, i) for i, r in enumerate(rows) if r is not None]
 
     def _sampled(self, request: Request, out: PendingSamples, row: int) -> _Sampled:
         """Row `row` of `out` is `request`'s next token. When the host can count that it is the

@@ -26,7 +26,7 @@ from deepinfer.model.config import ModelConfig
 from deepinfer.model.kv_cache import CacheLayout
 from deepinfer.model.step import step_body
 from deepinfer.pallas_kernels.registry import KernelConfig
-from deepinfer.serve.engine.device_step import step_and_sample
+from deepinfer.serve.engine.device_step import sample_logits, step_and_sample, step_logits
 from deepinfer.serve.engine.sampler import Sampler
 from deepinfer.serve.engine.speculative import verify_step
 
@@ -37,7 +37,8 @@ class StepPrograms:
     """The jitted steps of one family: `forward(params, cache, batch, all_logits=, decoder=)`
     (cache donated), `sample(params, cache, state, batch, rows, head=)` and the DSpark
     `verify(params, cache, state, batch, rows, drafts_in, head=)` (cache and sampling state
-    donated)."""
+    donated), and `sample` split in two: `logits(params, cache, state, batch, rows)` (cache
+    donated) then `sample_logits(logits, state, slots, rows, head=)` (state donated)."""
 
     def __init__(self, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None):
         self.key = (config, layout, kernels)
@@ -46,6 +47,9 @@ class StepPrograms:
                                donate_argnums=(1,))
         self.sample = jax.jit(partial(step_and_sample, **bound), static_argnames=("head",), donate_argnums=(1, 2))
         self.verify = jax.jit(partial(verify_step, **bound), static_argnames=("head",), donate_argnums=(1, 2))
+        # a decode step split in two (`device_step.step_logits` / `sample_logits`)
+        self.logits = jax.jit(partial(step_logits, **bound), donate_argnums=(1,))
+        self.sample_logits = jax.jit(sample_logits, static_argnames=("head",), donate_argnums=(1,))
 
 
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # families some runner holds

@@ -74,6 +74,33 @@ class PendingSamples:
         return self._rows
 
 
+class SplitStep:
+    """A decode step whose model half is dispatched (`ModelRunner.run_split`) and whose sampler
+    is not yet: `sample(settings)` dispatches it and returns the `PendingSamples`."""
+
+    def __init__(self, runner: ModelRunner, logits, counts, slots, position: np.ndarray, row_of: list[int],
+                 n_pages: int):
+        self._runner, self._logits, self._counts, self._slots = runner, logits, counts, slots
+        self._position, self._row_of, self._n_pages = position, row_of, n_pages
+
+    def sample(self, sample: StepSampling) -> PendingSamples:
+        runner, B = self._runner, len(self._position)
+        emit = np.zeros((B,), np.bool_)
+        emit[self._row_of] = sample.emit
+        rows = SampleRows(emit, self._position, None, sample.allowed_rows(self._row_of, B))
+        head = Sampler(sample.num_logprobs)
+        kind = "decode/sampler" + ("+masks" if sample.allowed is not None else "")
+        key = step_key(kind, B, 1, self._n_pages, False, True, head)
+        start = time.perf_counter()
+        with jax.profiler.TraceAnnotation(kind):
+            runner.sampling, out = runner._programs.sample_logits(self._logits, runner.sampling, self._slots,
+                                                                  jax.tree.map(jnp.asarray, rows), head=head)
+        runner._record(key, start)
+        pending = PendingSamples(runner, out, self._counts, self._row_of)
+        self._logits = self._counts = None
+        return pending
+
+
 @dataclass(frozen=True)
 class StepSampling:
     """Sample in the step: `emit[i]` says whether work row i's token is kept (it ends its
@@ -356,6 +383,28 @@ class ModelRunner:
             self.compile_seconds[key] = time.perf_counter() - start
             log.info("compiled %s step for %d rows x %d tokens x %d pages%s in %.2f s (first call, incl. run)",
                      key[0], key[1], key[2], key[3], note, self.compile_seconds[key])
+
+    def run_split(self, work: list[ChunkWork], page_table: np.ndarray) -> SplitStep:
+        """Dispatch a decode step's model half (`device_step.step_logits`: every slot a row, one
+        token each, placeholders allowed) without sampling; `SplitStep.sample` then dispatches
+        its sampler, with settings (masks) the host may build meanwhile. One device only."""
+        if self.mesh_step is not None:
+            raise ValueError("a split decode step runs on one device (no mesh)")
+        batch, row_of, folds, n_pages = self._batch(work, page_table, self.layout.slots_per_rank, 1)
+        B = batch.tokens.shape[0]
+        if folds is not None:
+            full = np.zeros((B, *folds.shape[1:]), np.uint32)
+            full[row_of] = folds
+            folds = full
+        position = batch.positions.max(axis=1) + 1
+        rows = SampleRows(np.ones((B,), np.bool_), position, folds)
+        key = step_key("decode/model", B, 1, n_pages, False, True, None)
+        start = time.perf_counter()
+        with jax.profiler.TraceAnnotation("decode/model"):
+            batch_d, rows_d = jax.tree.map(jnp.asarray, (batch, rows))
+            self.cache, logits, counts = self._programs.logits(self.params, self.cache, self.sampling, batch_d, rows_d)
+        self._record(key, start)
+        return SplitStep(self, logits, counts, batch_d.slots, position, row_of, n_pages)
 
     def verify(self, work: list[ChunkWork], page_table: np.ndarray, num_drafts: list[int],
                host_drafts: list[list[int] | None], *, tokens: int, sample: StepSampling) -> VerifyOutput:
