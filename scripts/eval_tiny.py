@@ -2,6 +2,8 @@
 
     python scripts/eval_tiny.py --out RUN_DIR [--model tiny-v4.1-trained] [--tau] [--compact] [--samples]
 
+* `--heldout`: the trained target's mean NLL / perplexity over every 512-token window of the
+  held-out split (the training run's state in RUN_DIR), against the unigram and bigram baselines.
 * `--samples`: greedy completions of a few held-out file openings.
 * `--tau`: DSpark acceptance length τ (accepted drafts + 1 per verify step that checked drafts,
   i.e. tokens gained per step, including the bonus or correction token) with block 5 on 50
@@ -36,6 +38,30 @@ def heldout(run_dir: str) -> tuple[np.ndarray, np.ndarray]:
     train_data.build_corpus(run_dir)
     return np.asarray(train_data.load_split(run_dir, "heldout")), np.load(
         pathlib.Path(run_dir) / "data" / "heldout_starts.npy")
+
+
+def heldout_loss(run_dir: str) -> dict:
+    """Mean NLL (nats) and perplexity of the finished target over every 512-token window of the
+    held-out split, scored as the exported model (`train_tiny.HeldOut`), with the baselines'."""
+    import baselines
+    import dataclasses
+
+    import train_tiny as tt
+
+    run = tt.RunConfig(**json.loads((pathlib.Path(run_dir) / "run.json").read_text()))
+    s = tt.setup(run)
+    every = dataclasses.replace(run, eval_windows=10**9)
+    held = tt.HeldOut(every, s)
+    eval_fn = tt.make_eval(s["config"], run.weight_qat)
+    params = held.params(s["state"]["params"])
+    losses = [float(eval_fn(params, b)) for b in held.batches]
+    train, test = (np.asarray(train_data.load_split(run_dir, n)) for n in ("train", "heldout"))
+    uni, bi = baselines.bigram_nll(train, test)
+    out = {"step": s["state"]["step"], "windows": sum(len(b["inputs"]) for b in held.batches),
+           "nll": float(np.mean(losses)), "ppl": float(np.exp(np.mean(losses))),
+           "unigram_nll": uni, "unigram_ppl": float(np.exp(uni)), "bigram_nll": bi, "bigram_ppl": float(np.exp(bi))}
+    print(json.dumps(out))
+    return out
 
 
 def samples(model: str, tokens: np.ndarray, starts: np.ndarray) -> None:
@@ -104,11 +130,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="tiny-v4.1-trained")
+    ap.add_argument("--heldout", action="store_true")
     ap.add_argument("--samples", action="store_true")
     ap.add_argument("--tau", action="store_true")
     ap.add_argument("--compact", action="store_true")
     args = ap.parse_args(argv)
     tokens, starts = heldout(args.out)
+    if args.heldout:
+        heldout_loss(args.out)
     if args.samples:
         samples(args.model, tokens, starts)
     if args.tau:

@@ -182,15 +182,16 @@ def check_model_arg(args: argparse.Namespace) -> None:
     if args.model is not None:
         from deepinfer.model import PRESETS
 
-        if not os.path.isdir(args.model) and args.model not in PRESETS:
+        if not os.path.isdir(args.model) and args.model not in PRESETS and args.model != "tiny-v4.1-trained":
             raise CliError(f"--model {args.model!r} is neither a checkpoint directory nor a preset "
-                           f"(tiny-v4.1 is the embedded one)")
+                           f"(tiny-v4.1 and tiny-v4.1-trained are embedded)")
 
 
 def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
     p.add_argument("--model", default=None, metavar="DIR_OR_PRESET",
-                   help="checkpoint directory (official or orbax) or tiny-v4.1 (default: the embedded "
-                        "tiny-v4.1 with random weights, written once under ~/.cache/deepinfer)")
+                   help="checkpoint directory (official or orbax), tiny-v4.1-trained (the embedded tiny model "
+                        "trained on the Python standard library) or tiny-v4.1 (default: the embedded tiny-v4.1 "
+                        "with random weights); embedded ones are written once under ~/.cache/deepinfer")
     p.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="a tokenizer.json to use instead of the pinned DeepSeek-V4 one")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: engine seed 0)")
