@@ -30,7 +30,8 @@ from deepinfer.serve.engine.device_step import sample_logits, step_and_sample, s
 from deepinfer.serve.engine.sampler import Sampler
 from deepinfer.serve.engine.speculative import verify_step
 
-__all__ = ["StepPrograms", "engine_step", "forward_step", "memory_maps", "release_unused", "step_programs"]
+__all__ = ["StepPrograms", "engine_step", "forget_unused", "forward_step", "memory_maps", "release_unused",
+           "step_programs"]
 
 
 class StepPrograms:
@@ -72,6 +73,11 @@ def release_unused() -> None:
     while _kept and count > limit // 2:
         _kept.popitem(last=False)
         count, limit = memory_maps()
+
+
+def forget_unused() -> None:
+    """Forget every kept family no runner holds (their executables and maps are freed)."""
+    _kept.clear()
 
 
 def step_programs(config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None) -> StepPrograms:

@@ -9,6 +9,7 @@ depend on which tokens the model happens to prefer. Comparisons between engines 
 a greedy token may differ only where the reference's top two (masked) log-probabilities are a
 near-tie. Prompts mix a short one with several-chunk ones (512-token chunks, compact prefill)."""
 
+import gc
 import json
 import re
 
@@ -56,6 +57,27 @@ start: "SELECT " column " FROM " table ";"
 column: "id" | "name" | "email"
 table: /[a-z]{1,8}/
 """
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_programs():
+    """This module compiles many step programs (masked, split, logprobs and verify variants of
+    several prefill shapes: ~40 of one family, ~34,000 memory maps). A worker that ran other modules first could then
+    reach `vm.max_map_count` (XLA aborted in a compilation here once, in a full run): start from
+    JAX's caches and the unheld program families dropped, and print how many maps the module used."""
+    import jax
+
+    from deepinfer.serve.engine.programs import forget_unused, memory_maps
+
+    forget_unused()
+    jax.clear_caches()
+    before = memory_maps()[0]
+    yield
+    used = memory_maps()[0]
+    forget_unused()  # (the next module starts without this one's ~34,000 maps: measured 552 -> 34,775 alone)
+    jax.clear_caches()
+    gc.collect()
+    print(f"test_structured_output: {before} -> {used} memory maps, {memory_maps()[0]} after")
 
 
 @pytest.fixture(scope="module")
