@@ -584,7 +584,7 @@ class LLM:
 
         try:
             constraint = chat_constraint(prompt.output_constraint, model_type=self.config.model_type,
-                                         dsml_token_id=self.tokenizer.token_to_id("｜DSML｜"))
+                                         tokenizer=self.tokenizer)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
         return dataclasses.replace(params, structured_outputs=constraint)

@@ -461,7 +461,7 @@ class GrpcServer:
 
             try:
                 constraint = chat_constraint(prompt.chat.output_constraint, model_type=engine.config.model_type,
-                                             dsml_token_id=engine.tokenizer.token_to_id("｜DSML｜"))
+                                             tokenizer=engine.tokenizer)
             except ValueError as e:
                 self.metrics.rejected()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat.tools_json: {e}")

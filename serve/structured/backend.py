@@ -82,10 +82,10 @@ class LLGuidanceBackend:
         try:
             grammar = self._grammar(spec)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{field}: {_first_line(e)}") from None
+            raise ValueError(f"{field}: {_one_line(e)}") from None
         error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if error:
-            raise ValueError(f"{field}: {_first_line(messages[0])}")
+            raise ValueError(f"{field}: {_one_line(messages[0])}")
         self._compiled[key] = grammar
         while len(self._compiled) > self._cache_size:
             self._compiled.popitem(last=False)
@@ -109,7 +109,7 @@ class LLGuidanceBackend:
     def matcher(self, compiled: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, compiled, log_level=0)
         if matcher.is_error():  # (validated by `compile`: a safeguard)
-            raise ValueError(f"structured_outputs: {_first_line(matcher.get_error())}")
+            raise ValueError(f"structured_outputs: {_one_line(matcher.get_error())}")
         return matcher
 
     def fill(self, matchers: list[tuple[llguidance.LLMatcher, int]], masks: np.ndarray) -> None:
@@ -124,7 +124,7 @@ def _ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_id: int) -> ll
     return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
 
 
-def _first_line(error) -> str:
+def _one_line(error) -> str:
     """llguidance's message on one line, without its source excerpt and caret lines."""
     lines = [line.strip() for line in str(error).strip().splitlines()]
     kept = [line for line in lines if line and not re.match(r"^(\^|\d+\s*\||\|)", line)]

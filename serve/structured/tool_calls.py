@@ -31,8 +31,10 @@ __all__ = ["chat_constraint", "tool_call_grammar"]
 
 
 def chat_constraint(output_constraint: tuple[str, str] | None, *, model_type: str,
-                    dsml_token_id: int | None) -> StructuredOutputsParams | None:
-    """The structured-output spec of deepseek-recipe's `(kind, schema)` (None: none)."""
+                    tokenizer) -> StructuredOutputsParams | None:
+    """The structured-output spec of deepseek-recipe's `(kind, schema)` (None: none) for a model
+    of `model_type` with `tokenizer` (a `tokenizers.Tokenizer`: where `｜DSML｜` is)."""
+    dsml_token_id = tokenizer.token_to_id("｜DSML｜")
     if output_constraint is None:
         return None
     kind, schema = output_constraint

@@ -324,8 +324,7 @@ def test_tool_call_grammar_walks_parse_into_valid_tool_calls(model_type):
     prompt = prepare_chat([{"role": "user", "content": "Weather in Paris, and 2 + 3?"}], model_type=model_type,
                           tokenizer=tok, thinking=False, tools=tools, tool_choice="required")
     assert prompt.output_constraint[0] == "tool_call_required"
-    spec = chat_constraint(prompt.output_constraint, model_type=model_type,
-                           dsml_token_id=tok.token_to_id("｜DSML｜"))
+    spec = chat_constraint(prompt.output_constraint, model_type=model_type, tokenizer=tok)
     llt = llguidance.LLTokenizer(tok.to_str(), n_vocab=vocab, eos_token=1)
     grammar = llguidance.LLMatcher.grammar_from_lark(spec.grammar)
     rng = np.random.default_rng(0)
