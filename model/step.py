@@ -42,11 +42,13 @@ from deepinfer.model.attention import output_projection, query, window_kv_unquan
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import context_input, context_kv
 from deepinfer.model.forward import final_hidden, walk_layers
+from deepinfer.model.invariant_attention import per_query_attention, window_by_offset
 from deepinfer.model.kv_cache import FLOAT, CacheLayout, KVCache, decode, encode, pending_sources
 from deepinfer.model.layers import compress_inv_freq, linear
 from deepinfer.model.paged import PagedSource
 from deepinfer.model.params import compute_dtype
 from deepinfer.model.rollback import Undo, snapshot_rings
+from deepinfer.ops.batch_invariant import batch_invariant
 from deepinfer.pallas_kernels.registry import KernelConfig, get_kernel
 
 
@@ -187,10 +189,18 @@ def _attention_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: in
     kv = qat.window_kv(kv_raw, config)  # fake-quant works per row, before or after it alike
     dtype = compute_dtype(config)
     ring = decode("window", tuple(w[layer, batch.slots] for w in st.window), dtype)
+    invariant = kernels is not None and kernels.batch_invariant
+    if invariant:  # the chunk's keys as the ring will give them back, so every key reads alike
+        kv = decode("window", encode("window", kv if layout.storage == FLOAT else kv_raw, layout.storage), dtype)
     keys = jnp.concatenate([ring, kv.astype(dtype)], axis=1)
     key_pos = jnp.concatenate([ring_pos, chunk.whole.positions], axis=1)
-    mask = window_mask(positions, key_pos, config.sliding_window)
-    mask = mask & valid[:, :, None] & (key_pos >= _floor(config, layer, batch)[:, None])[:, None, :]
+    floor = _floor(config, layer, batch)
+    if invariant:
+        keys, key_pos = window_by_offset(keys, key_pos, positions, config.sliding_window)
+        mask = (key_pos >= 0) & valid[:, :, None] & (key_pos >= floor[:, None, None])
+    else:
+        mask = window_mask(positions, key_pos, config.sliding_window)
+        mask = mask & valid[:, :, None] & (key_pos >= floor[:, None])[:, None, :]
     _write_ring(st, layout, layer, batch.slots, write_idx, kv_raw, kv)
 
     B, T, _ = x.shape
@@ -204,7 +214,10 @@ def _attention_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: in
     if kind != "swa":
         entries, topk = _selected_entries(config, layer, st, read_all)
     attend = get_kernel("sparse_attention", kernels)
-    o = attend(q, keys, mask, entries, topk, p["attn_sink"], config.head_dim ** -0.5)
+    if invariant:
+        o = per_query_attention(attend, q, keys, mask, entries, topk, p["attn_sink"], config.head_dim ** -0.5)
+    else:
+        o = attend(q, keys, mask, entries, topk, p["attn_sink"], config.head_dim ** -0.5)
     return output_projection(p, config, layer, o, positions)
 
 
@@ -241,7 +254,8 @@ def _write_index(positions: jax.Array, valid: jax.Array, W: int) -> jax.Array:
 
 def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelConfig, layout: CacheLayout,
               all_logits: bool = False, decoder: bool = True, kernels: KernelConfig | None = None,
-              ep=None, seq=None, read_all: bool = False) -> tuple[KVCache, jax.Array | None, jax.Array]:
+              ep=None, seq=None, read_all: bool = False,
+              invariant_traced: bool = False) -> tuple[KVCache, jax.Array | None, jax.Array]:
     """The step on one device's share (unjitted: `forward_step` jits it, the mesh step runs it
     under `shard_map` with `ep` doing the MoE's expert-parallel exchange). Returns the updated
     cache, fp32 logits (`[B, vocab]` at each row's last token, or `[B, T, vocab]` with
@@ -255,9 +269,29 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
     zigzag share of every row; `seq.gather` restores whole rows (see `_Chunk`).
 
     `read_all`: read every page of every source (no selected-row reads; see the module
-    docstring), the same result by another path."""
+    docstring), the same result by another path.
+
+    With `kernels.batch_invariant` every token's result is independent of the rest of the
+    step (see `_invariant`)."""
+    if _invariant(kernels, seq, ep, invariant_traced):
+        body = partial(step_body, config=config, layout=layout, all_logits=all_logits, decoder=decoder,
+                       kernels=kernels, read_all=True, invariant_traced=True)
+        return batch_invariant(body)(params, cache, batch)
     st, logits, counts = _run(params, cache, batch, config, layout, all_logits, decoder, kernels, ep, seq, read_all)
     return st.cache(), logits, counts
+
+
+def _invariant(kernels: KernelConfig | None, seq, ep, traced: bool = False) -> bool:
+    """Whether to run the batch-invariant step (not yet inside its tracing): products in fixed
+    tiles (`ops.batch_invariant`), every page read (`read_all`: shapes fixed by the engine's
+    page count, not by the step's selections) and the attention keys per query
+    (`model.invariant_attention`). One device only for now."""
+    if kernels is None or not kernels.batch_invariant or traced:
+        return False
+    if seq is not None or ep is not None:
+        raise NotImplementedError("KernelConfig(batch_invariant=True) runs on one device (no context or expert "
+                                  "parallel mesh) in this version")
+    return True
 
 
 def verify_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelConfig, layout: CacheLayout,
@@ -265,9 +299,17 @@ def verify_body(params: dict, cache: KVCache, batch: StepBatch, *, config: Model
     """`step_body` over rows that each hold an anchor and its drafts, with fp32 logits at every
     token `[B, T, vocab]` and the `Undo` that `model.rollback.roll_back` takes to keep only the
     accepted tokens in the cache (on one device's share; not under context parallel)."""
+    if _invariant(kernels, None, ep):
+        body = partial(_verify, config=config, layout=layout, kernels=kernels, ep=ep, read_all=True)
+        return batch_invariant(body)(params, cache, batch)
+    return _verify(params, cache, batch, config=config, layout=layout, kernels=kernels, ep=ep, read_all=False)
+
+
+def _verify(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelConfig, layout: CacheLayout,
+            kernels: KernelConfig | None, ep, read_all: bool) -> tuple[KVCache, jax.Array, jax.Array, Undo]:
     W = config.sliding_window
     rings = snapshot_rings(cache, batch.slots, _write_index(batch.positions, batch.positions >= 0, W))
-    st, logits, counts = _run(params, cache, batch, config, layout, True, True, kernels, ep, None, False)
+    st, logits, counts = _run(params, cache, batch, config, layout, True, True, kernels, ep, None, read_all)
     return st.cache(), logits, counts, Undo(rings, tuple(st.pair_inputs))
 
 

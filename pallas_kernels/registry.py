@@ -123,11 +123,15 @@ class KernelConfig:
     reference); `ops` pins single ops, e.g. `ops=(("sparse_attention", "interpret"),)`.
     `platform`: the JAX backend the model runs on ("cpu", "cuda", "ascend"; None: JAX's
     default backend), set from the chosen accelerator (`pallas_kernels.accelerator`).
+    `batch_invariant`: the step computes each token from its own inputs only, bit for bit
+    whatever the batch (`EngineConfig(deterministic=True)`): products in fixed tiles
+    (`deepinfer.ops.batch_invariant`), attention keys in one order (`model.invariant_attention`).
     Frozen and hashable: the model passes it to `jax.jit` as a static argument."""
 
     backend: str | None = AUTO
     ops: tuple[tuple[str, str], ...] = field(default=())
     platform: str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in [self.backend, *(b for _, b in self.ops)]:

@@ -150,7 +150,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "num_pages": args.num_pages, "fake_quant": not args.no_fake_quant,
         "dtype": args.dtype,
         "prefill_mode": mode, "keep_tokens": keep, "seed": args.seed if args.seed is not None else 0,
-        "async_scheduling": not args.no_async_scheduling,
+        "async_scheduling": not args.no_async_scheduling, "deterministic": args.deterministic,
         "speculative_config": _speculative_config(args.speculative_config),
         "accelerator": accelerator_name(args), "compilation_cache": compilation_cache_dir(args),
     }
@@ -217,6 +217,10 @@ def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="run one engine step at a time instead of planning and dispatching each step while "
                         "the device runs the previous one")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant inference: each request's tokens and logprobs are the same bits whatever "
+                        "else is in the batch and however its prompt is chunked (slower; one device, no "
+                        "speculative decoding)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='DSpark speculative decoding with the checkpoint\'s drafter, e.g. \'{"method": "dspark", '
                         '"num_speculative_tokens": 5}\' (greedy requests verify that many drafts per step; '

@@ -85,7 +85,7 @@ _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
     "prefill_chunk", "max_num_batched_tokens", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
     "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context", "accelerator",
-    "compilation_cache", "warmup", "async_scheduling", "speculative_config",
+    "compilation_cache", "warmup", "async_scheduling", "speculative_config", "deterministic",
 )
 
 
@@ -310,6 +310,9 @@ class LLM:
         async_scheduling: plan and dispatch each engine step before reading the previous step's
             tokens, so the host's work overlaps the device's (stop rules then see a token one
             step late; the extra token is dropped). False: one step at a time.
+        deterministic: batch-invariant inference: a request's tokens and logprobs are the same bits
+            whatever else runs with it and however its prompt is chunked (one device, no
+            speculative decoding; see `EngineConfig.deterministic`).
         log_stats_interval: seconds between the periodic stats log lines (None: never).
         cache_dir: where the embedded default checkpoint is written / read.
         mesh: run on many devices: a `jax.sharding.Mesh` with axes ("dp", "cp", "tp"), a spec
@@ -372,6 +375,7 @@ class LLM:
         warmup: bool = True,
         async_scheduling: bool = True,
         speculative_config: dict | SpeculativeConfig | None = None,
+        deterministic: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -445,7 +449,8 @@ class LLM:
                                      prefill_mode=prefill_mode, keep_tokens=keep_tokens,
                                      eplb_interval=eplb_interval, eplb_slots=eplb_slots,
                                      drafter_context=drafter_context, kernels=self.accelerator.kernel_config(),
-                                     async_scheduling=bool(async_scheduling), speculative=speculative)
+                                     async_scheduling=bool(async_scheduling), speculative=speculative,
+                                     deterministic=bool(deterministic))
         self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config, mesh=self.mesh)
         self.log_stats_interval = log_stats_interval
         self.warmup = warmup

@@ -37,6 +37,8 @@ reads each step before planning the next.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import logging
 import time
@@ -98,6 +100,12 @@ class EngineConfig:
     # DSpark speculative decoding (`speculative.py`); None: off. It keeps the drafter's context
     # (whatever `drafter_context` says) and, for now, reads each step before planning the next
     speculative: SpeculativeConfig | None = None
+    # batch-invariant inference (engine-features.md §3): a request's tokens and logprobs are the
+    # same bits whatever else is in the batch, its row, and how its prompt was chunked; the step
+    # computes every product in fixed tiles and each query's keys in one order
+    # (`KernelConfig.batch_invariant`), and a request without a seed samples with one derived
+    # from its prompt (not from its arrival). One device, no speculative decoding yet.
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.prefill_mode not in PREFILL_MODES:
@@ -121,10 +129,18 @@ class LLMEngine:
         sequence on one dp rank, the experts split over all devices. None: one device."""
         self.config = config
         self.tokenizer = tokenizer
-        self.engine_config = engine_config
         if engine_config.prefill_mode == "compact" and engine_config.keep_tokens < config.sliding_window:
             raise ValueError(f"keep_tokens ({engine_config.keep_tokens}) must cover the sliding window "
                              f"({config.sliding_window})")
+        if engine_config.deterministic:
+            if mesh is not None:
+                raise ValueError("deterministic: batch-invariant inference runs on one device for now (no mesh)")
+            if engine_config.speculative is not None:
+                raise ValueError("deterministic: not available with speculative decoding yet (a verify step does "
+                                 "not yet reproduce a decode step's bits at every position)")
+            engine_config = dataclasses.replace(engine_config, kernels=dataclasses.replace(
+                engine_config.kernels or KernelConfig(), batch_invariant=True))
+        self.engine_config = engine_config
         self.speculative = engine_config.speculative
         # speculative steps are read before the next is planned (speculative.py: not overlapped yet)
         self.async_scheduling = engine_config.async_scheduling and self.speculative is None
@@ -192,9 +208,19 @@ class LLMEngine:
                           StopChecker(params.stop, params.include_stop_str_in_output), next(self._order))
         request.logprobs = [] if params.logprobs is not None else None
         request.constraint = constraint
-        request.seed = params.seed if params.seed is not None else int(self._seeds.integers(1 << 32))
+        request.seed = params.seed if params.seed is not None else self._default_seed(ids)
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _default_seed(self, prompt_ids: list[int]) -> int:
+        """The noise seed of a request without one: the next of the engine's seeds, or in
+        deterministic mode one from the engine's seed and the prompt, so that the request's
+        samples do not depend on when it arrived."""
+        if not self.engine_config.deterministic:
+            return int(self._seeds.integers(1 << 32))
+        digest = hashlib.blake2b(np.asarray(prompt_ids, np.int64).tobytes(), digest_size=8,
+                                 key=self.engine_config.seed.to_bytes(8, "little", signed=True)).digest()
+        return int.from_bytes(digest[:4], "little")
 
     def _constraint(self, params: SamplingParams, prompt_ids: list[int]):
         """The request's grammar state; `ValueError` naming the field when its spec does not compile."""

@@ -25,7 +25,8 @@ import jax
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.kv_cache import CacheLayout
 from deepinfer.model.step import step_body
-from deepinfer.pallas_kernels.registry import KernelConfig
+from deepinfer.ops.batch_invariant import compiler_options
+from deepinfer.pallas_kernels.registry import KernelConfig, platform_info
 from deepinfer.serve.engine.device_step import sample_logits, step_and_sample, step_logits
 from deepinfer.serve.engine.sampler import Sampler
 from deepinfer.serve.engine.speculative import verify_step
@@ -44,13 +45,21 @@ class StepPrograms:
     def __init__(self, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None):
         self.key = (config, layout, kernels)
         bound = dict(config=config, layout=layout, kernels=kernels)
-        self.forward = jax.jit(partial(step_body, **bound), static_argnames=("all_logits", "decoder"),
-                               donate_argnums=(1,))
-        self.sample = jax.jit(partial(step_and_sample, **bound), static_argnames=("head",), donate_argnums=(1, 2))
-        self.verify = jax.jit(partial(verify_step, **bound), static_argnames=("head",), donate_argnums=(1, 2))
+        jit = partial(jax.jit, compiler_options=_compiler_options(kernels))
+        self.forward = jit(partial(step_body, **bound), static_argnames=("all_logits", "decoder"),
+                           donate_argnums=(1,))
+        self.sample = jit(partial(step_and_sample, **bound), static_argnames=("head",), donate_argnums=(1, 2))
+        self.verify = jit(partial(verify_step, **bound), static_argnames=("head",), donate_argnums=(1, 2))
         # a decode step split in two (`device_step.step_logits` / `sample_logits`)
-        self.logits = jax.jit(partial(step_logits, **bound), donate_argnums=(1,))
-        self.sample_logits = jax.jit(sample_logits, static_argnames=("head",), donate_argnums=(1,))
+        self.logits = jit(partial(step_logits, **bound), donate_argnums=(1,))
+        self.sample_logits = jit(sample_logits, static_argnames=("head",), donate_argnums=(1,))
+
+
+def _compiler_options(kernels: KernelConfig | None) -> dict[str, str] | None:
+    """XLA options of a batch-invariant family (`ops.batch_invariant.compiler_options`)."""
+    if kernels is None or not kernels.batch_invariant:
+        return None
+    return compiler_options(platform_info(kernels.platform).platform) or None
 
 
 _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # families some runner holds

@@ -275,6 +275,8 @@ class ModelRunner:
         B = rows * dp
         longest = max(w.start + len(w.tokens) for w in work)
         n_pages = page_bucket(self.layout, longest)
+        if self.kernels is not None and self.kernels.batch_invariant:  # every read the same width
+            n_pages = self.layout.max_pages_per_slot
         tok = np.zeros((B, T), np.int32)
         pos = np.full((B, T), -1, np.int32)
         slots = np.zeros((B,), np.int32)

@@ -176,6 +176,10 @@ def pending_shapes(engine, max_len: int | None = None, shapes: list[StepShape] |
     """The shapes of `shapes` (default: `step_shapes(engine, max_len)`) that have not run yet
     (what `warm_up` compiles)."""
     shapes = step_shapes(engine, max_len) if shapes is None else shapes
+    kernels = engine.runner.kernels
+    if kernels is not None and kernels.batch_invariant:  # every step reads all pages (`ModelRunner._batch`)
+        shapes = list(dict.fromkeys(dataclasses.replace(s, pages=engine.cache.layout.max_pages_per_slot)
+                                    for s in shapes))
     return [s for s in shapes if not _is_compiled(engine, s)]
 
 

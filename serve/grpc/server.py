@@ -567,7 +567,7 @@ class GrpcServer:
                               "page_size": layout.page_size, "num_pages": layout.num_pages,
                               "prefill_chunk": ec.prefill_chunk, "max_num_batched_tokens": ec.max_num_batched_tokens,
                               "prefill_mode": ec.prefill_mode, "keep_tokens": ec.keep_tokens, "seed": ec.seed,
-                              "async_scheduling": engine.async_scheduling,
+                              "async_scheduling": engine.async_scheduling, "deterministic": ec.deterministic,
                               "speculative_config": (None if ec.speculative is None else
                                                      {"method": ec.speculative.method, "num_speculative_tokens":
                                                       ec.speculative.num_speculative_tokens}),

@@ -1,0 +1,123 @@
+"""`ops.batch_invariant`: products in fixed tiles give a row the same bits whatever the batch, and
+the same values as the plain product; short scans unroll exactly; the invariant step's window
+(`model.invariant_attention`) holds the engine step's window keys, and its logits do not depend on
+the chunking or the rows of the step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer.model import init_params, load_config
+from deepinfer.model.attention import window_mask
+from deepinfer.model.invariant_attention import window_by_offset
+from deepinfer.model.kv_cache import PACKED, CacheLayout
+from deepinfer.ops.batch_invariant import XLA_CPU_OPTIONS, TileShape, batch_invariant
+from deepinfer.pallas_kernels.registry import KernelConfig
+from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, token_bucket
+
+
+def _jit(fn):
+    return jax.jit(batch_invariant(fn), compiler_options=XLA_CPU_OPTIONS)
+
+
+@pytest.mark.parametrize("k,n", [(256, 512), (1024, 384)])
+def test_a_row_of_a_product_is_the_same_bits_for_any_number_of_rows(k, n):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((300, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n, k)), jnp.float32)
+    product = _jit(lambda x, w: jnp.einsum("...i,oi->...o", x, w))
+    first = {m: np.asarray(product(x[:m], w))[0] for m in (1, 2, 3, 16, 17, 100, 300)}
+    assert all(np.array_equal(v, first[1]) for v in first.values()), [m for m, v in first.items()
+                                                                        if not np.array_equal(v, first[1])]
+    moved = np.asarray(product(jnp.concatenate([x[1:40], x[:1]]), w))[-1]  # the row last instead of first
+    np.testing.assert_array_equal(moved, first[1])
+    np.testing.assert_allclose(np.asarray(product(x, w)), np.asarray(x @ w.T), rtol=1e-5, atol=1e-4)
+
+
+def test_batched_products_are_the_same_bits_for_any_batch():
+    """Attention-like products with batch dimensions (per query): the batch is tiled too."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((200, 4, 64)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((200, 128, 64)), jnp.float32)
+    scores = _jit(lambda q, k: jnp.einsum("bhd,bsd->bhs", q, k))
+    first = {b: np.asarray(scores(q[:b], k[:b]))[0] for b in (1, 3, 16, 17, 200)}
+    assert all(np.array_equal(v, first[1]) for v in first.values())
+    np.testing.assert_allclose(np.asarray(scores(q, k)), np.einsum("bhd,bsd->bhs", q, k), rtol=1e-5, atol=1e-4)
+
+
+def test_tile_columns_when_asked():
+    """`TileShape(n=...)` also blocks the columns: a product whose column count follows the batch."""
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((300, 256)), jnp.float32)
+    product = jax.jit(batch_invariant(lambda w, x: jnp.einsum("oi,ti->ot", w, x), TileShape(n=32)),
+                      compiler_options=XLA_CPU_OPTIONS)
+    first = {m: np.asarray(product(w, x[:m]))[:, 0] for m in (1, 7, 33, 300)}
+    assert all(np.array_equal(v, first[1]) for v in first.values())
+    with pytest.raises(ValueError, match="TileShape"):
+        TileShape(m=0)
+
+
+def test_scans_and_nested_calls_are_evaluated_exactly():
+    xs = jnp.arange(12.0).reshape(4, 3)
+
+    def f(c, xs):
+        c, ys = jax.lax.scan(lambda c, x: (c * 2 + x, jnp.sin(c) + x), c, xs, reverse=True)
+        return jax.jit(lambda a: jax.lax.fori_loop(0, 3, lambda i, a: a * 1.5 + i, a))(c), ys
+
+    for a, b in zip(jax.tree.leaves(f(jnp.ones(3), xs)), jax.tree.leaves(batch_invariant(f)(jnp.ones(3), xs))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_window_by_offset_holds_the_keys_the_window_mask_admits():
+    W, T = 8, 5
+    rng = np.random.default_rng(3)
+    ring_pos = np.array([[8, 9, 10, 3, 4, 5, 6, 7], [-1] * 8])  # row 0: positions 3..10; row 1: empty ring
+    positions = np.array([[11, 12, 13, 14, 15], [0, 1, 2, -1, -1]])
+    key_pos = np.concatenate([ring_pos, positions], axis=1)
+    keys = rng.standard_normal((2, W + T, 4)).astype(np.float32)
+    picked, picked_pos = window_by_offset(jnp.asarray(keys), jnp.asarray(key_pos), jnp.asarray(positions), W)
+    mask = np.asarray(window_mask(jnp.asarray(positions), jnp.asarray(key_pos), W)) & (positions >= 0)[:, :, None]
+    for b in range(2):
+        for t in range(T):
+            want = sorted(key_pos[b, mask[b, t]].tolist(), reverse=True)
+            got = [int(p) for p in np.asarray(picked_pos[b, t]) if p >= 0]
+            assert got == want, (b, t, got, want)
+            for o, p in enumerate(np.asarray(picked_pos[b, t])):
+                if p >= 0:
+                    np.testing.assert_array_equal(np.asarray(picked[b, t, o]), keys[b, list(key_pos[b]).index(p)])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = load_config("tiny-v4.1")
+    return config, init_params(config, seed=3)
+
+
+def _logits(config, params, chunks, kernels, rows=None, decode_rows=3):
+    """All-position logits of a 301-token prompt prefilled in `chunks` (with `rows` rows), then
+    decoded to 305 tokens in steps of `decode_rows` rows."""
+    ids = np.random.default_rng(11).integers(3, 128000, 305)
+    layout = CacheLayout(num_slots=3, page_size=64, num_pages=24, max_pages_per_slot=8, storage=PACKED)
+    runner = ModelRunner(params, config, layout, kernels=kernels)
+    table = np.full((3, 8), -1, np.int32)
+    table[1, :6] = (5, 17, 2, 11, 20, 8)
+    out, start = [], 0
+    for n in chunks:
+        work = [ChunkWork(1, ids[start:start + n], start, ids[:start], 0)]
+        out.append(runner.run(work, table, rows=rows or 1, tokens=token_bucket(n), all_logits=True)[0, :n])
+        start += n
+    while start < len(ids):
+        out.append(runner.run([ChunkWork(1, ids[start:start + 1], start, ids[:start], 0)], table,
+                              rows=decode_rows, tokens=1))
+        start += 1
+    return np.concatenate(out)
+
+
+def test_invariant_step_logits_do_not_depend_on_chunking_or_rows(tiny):
+    """Fake-quant on (the release's numerics), FP8/FP4 packed cache."""
+    config, params = tiny
+    kernels = KernelConfig(batch_invariant=True)
+    reference = _logits(config, params, [128, 128, 45], kernels)
+    np.testing.assert_array_equal(_logits(config, params, [256, 45], kernels, rows=2), reference)
