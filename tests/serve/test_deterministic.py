@@ -8,6 +8,8 @@ must give more than one output somewhere: the test can fail.
 Fake-quant on and the packed FP8/FP4 cache (the engine's defaults), so the smallest rounding
 difference moves later logits visibly."""
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,23 @@ from deepinfer.serve.engine.speculative import SpeculativeConfig
 
 BUDGET = CacheBudget(num_slots=8, max_model_len=1024, page_size=256)
 MAX_TOKENS = 6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_programs():
+    """The batch-invariant step programs are large (a loop per product): the module starts and
+    ends with JAX's caches and the unheld program families dropped, so that a worker that ran other
+    modules stays clear of `vm.max_map_count` (see test_structured_output)."""
+    import jax
+
+    from deepinfer.serve.engine.programs import forget_unused
+
+    forget_unused()
+    jax.clear_caches()
+    yield
+    forget_unused()
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
