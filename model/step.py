@@ -254,8 +254,7 @@ def _write_index(positions: jax.Array, valid: jax.Array, W: int) -> jax.Array:
 
 def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelConfig, layout: CacheLayout,
               all_logits: bool = False, decoder: bool = True, kernels: KernelConfig | None = None,
-              ep=None, seq=None, read_all: bool = False,
-              invariant_traced: bool = False) -> tuple[KVCache, jax.Array | None, jax.Array]:
+              ep=None, seq=None, read_all: bool = False) -> tuple[KVCache, jax.Array | None, jax.Array]:
     """The step on one device's share (unjitted: `forward_step` jits it, the mesh step runs it
     under `shard_map` with `ep` doing the MoE's expert-parallel exchange). Returns the updated
     cache, fp32 logits (`[B, vocab]` at each row's last token, or `[B, T, vocab]` with
@@ -273,20 +272,26 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
 
     With `kernels.batch_invariant` every token's result is independent of the rest of the
     step (see `_invariant`)."""
-    if _invariant(kernels, seq, ep, invariant_traced):
-        body = partial(step_body, config=config, layout=layout, all_logits=all_logits, decoder=decoder,
-                       kernels=kernels, read_all=True, invariant_traced=True)
-        return batch_invariant(body)(params, cache, batch)
+    step = partial(_step, config=config, layout=layout, all_logits=all_logits, decoder=decoder, kernels=kernels,
+                   ep=ep, seq=seq)
+    if _invariant(kernels, seq, ep):
+        return batch_invariant(partial(step, read_all=True))(params, cache, batch)
+    return step(params, cache, batch, read_all=read_all)
+
+
+def _step(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelConfig, layout: CacheLayout,
+          all_logits: bool, decoder: bool, kernels: KernelConfig | None, ep, seq,
+          read_all: bool) -> tuple[KVCache, jax.Array | None, jax.Array]:
     st, logits, counts = _run(params, cache, batch, config, layout, all_logits, decoder, kernels, ep, seq, read_all)
     return st.cache(), logits, counts
 
 
-def _invariant(kernels: KernelConfig | None, seq, ep, traced: bool = False) -> bool:
-    """Whether to run the batch-invariant step (not yet inside its tracing): products in fixed
-    tiles (`ops.batch_invariant`), every page read (`read_all`: shapes fixed by the engine's
-    page count, not by the step's selections) and the attention keys per query
-    (`model.invariant_attention`). One device only for now."""
-    if kernels is None or not kernels.batch_invariant or traced:
+def _invariant(kernels: KernelConfig | None, seq, ep) -> bool:
+    """Whether to run the batch-invariant step: products in fixed tiles (`ops.batch_invariant`),
+    every page read (`read_all`: shapes fixed by the engine's page count, not by the step's
+    selections) and the attention keys per query (`model.invariant_attention`). One device only
+    for now."""
+    if kernels is None or not kernels.batch_invariant:
         return False
     if seq is not None or ep is not None:
         raise NotImplementedError("KernelConfig(batch_invariant=True) runs on one device (no context or expert "
