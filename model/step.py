@@ -68,6 +68,10 @@ class StepBatch:
     # decoder replay start (compact prefill, model-v4.1-flash.md §4.3): decoder layers run only
     # on positions >= floor and their window never reaches below it; 0 = full fidelity
     floor: jax.Array  # [B] int32
+    # prefix cache (bounded replay, engine-features.md §6): global entries and indexer keys of
+    # positions below this (a page boundary) are shared pages and never rewritten; a replayed
+    # chunk recomputes them only to rebuild the window rings. None: every emitted row is written
+    write_floor: jax.Array | None = None  # [B] int32
 
 
 class _State:
@@ -101,7 +105,7 @@ def _source_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: int, 
         st.pair_inputs[k] = jnp.stack([kv, gate], axis=2)
     store = get_kernel("compress_store", kernels)
     entries, keys, pending = store(
-        kv, gate, batch.positions, valid, batch.page_table, tuple(st.entries[src]), tuple(st.index_keys[src]),
+        kv, gate, batch.positions, valid, _write_table(batch, layout), tuple(st.entries[src]), tuple(st.index_keys[src]),
         None if k is None else st.pending[k], batch.slots, batch.last_index,
         ratio=ratio, norm=p["compressor"]["norm"], wk=p["indexer"]["wk"], k_norm=p["indexer"]["k_norm"],
         inv_freq=compress_inv_freq(config), eps=config.rms_norm_eps, dtype=x.dtype, storage=layout.storage,
@@ -110,6 +114,15 @@ def _source_step(p: dict, config: ModelConfig, layout: CacheLayout, layer: int, 
     if k is not None:
         st.pending[k] = pending
     st.shared["source", layer] = PagedSource(tuple(entries), tuple(keys), batch.page_table, compute_dtype(config))
+
+
+def _write_table(batch: StepBatch, layout: CacheLayout) -> jax.Array:
+    """The page table the chunk's new entries are stored through: pages wholly below the row's
+    `write_floor` are -1 (the store drops those rows), the rest as read."""
+    if batch.write_floor is None:
+        return batch.page_table
+    page_end = (jnp.arange(batch.page_table.shape[1], dtype=jnp.int32) + 1) * layout.page_size
+    return jnp.where(page_end[None, :] <= batch.write_floor[:, None], -1, batch.page_table)
 
 
 def _index_step(p: dict, config: ModelConfig, layer: int, x: jax.Array, q_residual: jax.Array, positions: jax.Array,

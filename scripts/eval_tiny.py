@@ -1,6 +1,6 @@
 """Figures of the shipped trained tiny model on the held-out split of its corpus.
 
-    python scripts/eval_tiny.py --out RUN_DIR [--model tiny-v4.1-trained] [--tau] [--compact] [--samples]
+    python scripts/eval_tiny.py --out RUN_DIR [--model tiny-v4.1-trained] [--tau] [--compact] [--prefix] [--samples]
 
 * `--heldout`: the trained target's mean NLL / perplexity over every 512-token window of the
   held-out split (the training run's state in RUN_DIR), against the unigram and bigram baselines.
@@ -8,6 +8,7 @@
 * `--tau`: DSpark acceptance length τ (accepted drafts + 1 per verify step that checked drafts,
   i.e. tokens gained per step, including the bonus or correction token) with block 5 on 50
   held-out prompts (256 tokens each, spread over the split), greedy and temperature 1, 64 new tokens.
+* `--prefix`: turn 2 of a two-turn prompt after a prefix-cache hit, bounded and exact replay vs cold.
 * `--compact`: `compact` prefill (keep 140) vs `full` on 20 held-out files of at least 1,064
   tokens: the first 1,000 tokens are the prompt and each mode generates 64 greedy tokens; the
   greedy tokens equal before the first difference, and at those positions (same context in both)
@@ -109,9 +110,17 @@ def compact_vs_full(model: str, tokens: np.ndarray, starts: np.ndarray) -> dict:
         llm = LLM(model, prefill_mode=mode, keep_tokens=140, **SMALL)
         runs[mode] = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=20),
                                   use_tqdm=False)
+    out = {"files": len(files), **_agreement(runs["full"], runs["compact"])}
+    print(json.dumps(out))
+    return out
+
+
+def _agreement(references: list, outputs: list) -> dict:
+    """Greedy agreement of `outputs` with `references` (64 tokens each, top-20 logprobs): mean KL
+    at the shared positions, equal tokens before the first difference, runs all equal."""
     kls, agree = [], []
-    for full, compact in zip(runs["full"], runs["compact"]):
-        a, b = full.outputs[0], compact.outputs[0]
+    for reference, output in zip(references, outputs):
+        a, b = reference.outputs[0], output.outputs[0]
         same = 0
         for i in range(len(a.token_ids)):
             if b.token_ids[i] != a.token_ids[i]:
@@ -119,9 +128,29 @@ def compact_vs_full(model: str, tokens: np.ndarray, starts: np.ndarray) -> dict:
             same += 1
             kls.append(_kl(a.logprobs[i], b.logprobs[i]))
         agree.append(same)
-    out = {"files": len(files), "mean_kl_top20_until_divergence": float(np.mean(kls)),
-           "greedy_tokens_equal_before_first_difference_mean": float(np.mean(agree)),
-           "all_64_equal": int(sum(a == 64 for a in agree))}
+    return {"mean_kl_top20_until_divergence": float(np.mean(kls)),
+            "greedy_tokens_equal_before_first_difference_mean": float(np.mean(agree)),
+            "all_64_equal": int(sum(a == 64 for a in agree))}
+
+
+def prefix_replay(model: str, tokens: np.ndarray, starts: np.ndarray) -> dict:
+    """Two turns per held-out file: turn 1 the file's first 1,536 tokens, turn 2 its first 2,000
+    (hit: 1,536 tokens). Turn 2's 64 greedy tokens with the prefix cache off (cold), with bounded
+    replay (128 tokens) and with exact replay (the window halo), each against cold."""
+    ends = [*starts[1:], len(tokens)]
+    files = [(s, e) for s, e in zip(starts, ends) if e - s >= 2064][:20]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=20)
+    runs = {}
+    for mode in ("cold", "bounded", "exact"):
+        kwargs = {} if mode == "cold" else {"enable_prefix_caching": True, "prefix_replay": mode}
+        llm = LLM(model, max_num_seqs=8, max_model_len=4096, **kwargs)
+        outs = []
+        for s, _ in files:
+            llm.generate([tokens[s:s + 1536].tolist()], SamplingParams(max_tokens=1), use_tqdm=False)
+            outs.append(llm.generate([tokens[s:s + 2000].tolist()], params, use_tqdm=False)[0])
+        runs[mode] = outs
+        print(mode, "turn-2 cached tokens", [o.num_cached_tokens for o in outs][:3], flush=True)
+    out = {"files": len(files), **{mode: _agreement(runs["cold"], runs[mode]) for mode in ("bounded", "exact")}}
     print(json.dumps(out))
     return out
 
@@ -134,6 +163,7 @@ def main(argv=None) -> None:
     ap.add_argument("--samples", action="store_true")
     ap.add_argument("--tau", action="store_true")
     ap.add_argument("--compact", action="store_true")
+    ap.add_argument("--prefix", action="store_true")
     args = ap.parse_args(argv)
     tokens, starts = heldout(args.out)
     if args.heldout:
@@ -144,6 +174,8 @@ def main(argv=None) -> None:
         tau(args.model, tokens)
     if args.compact:
         compact_vs_full(args.model, tokens, starts)
+    if args.prefix:
+        prefix_replay(args.model, tokens, starts)
 
 
 if __name__ == "__main__":

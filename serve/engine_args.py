@@ -139,6 +139,10 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
             raise CliError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.prefill_chunk % 128:
         raise CliError(f"--prefill-chunk must be a multiple of 128, got {args.prefill_chunk}")
+    if args.prefix_cache_host_pages < 0:
+        raise CliError(f"--prefix-cache-host-pages must be non-negative, got {args.prefix_cache_host_pages}")
+    if (args.prefix_cache_host_pages or args.prefix_cache_dir) and not args.enable_prefix_caching:
+        raise CliError("--prefix-cache-host-pages and --prefix-cache-dir need --enable-prefix-caching")
     if args.num_pages is not None and args.num_pages < 1:
         raise CliError(f"--num-pages must be at least 1, got {args.num_pages}")
     mode = args.prefill_mode if args.prefill_mode is not None else env.resolved_prefill_mode()
@@ -151,6 +155,8 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "prefill_mode": mode, "keep_tokens": keep, "seed": args.seed if args.seed is not None else 0,
         "async_scheduling": not args.no_async_scheduling, "deterministic": args.deterministic,
+        "enable_prefix_caching": args.enable_prefix_caching, "prefix_replay": args.prefix_replay,
+        "prefix_cache_host_pages": args.prefix_cache_host_pages, "prefix_cache_dir": args.prefix_cache_dir,
         "speculative_config": _speculative_config(args.speculative_config),
         "accelerator": accelerator_name(args), "compilation_cache": compilation_cache_dir(args),
     }
@@ -221,6 +227,16 @@ def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
                    help="batch-invariant inference: each request's tokens and logprobs are the same bits whatever "
                         "else is in the batch and however its prompt is chunked (slower; one device, no "
                         "speculative decoding)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="share full prompt pages between requests by their tokens; a hit replays the last 128 "
+                        "tokens of the cached prefix to rebuild the window state (default: off)")
+    p.add_argument("--prefix-replay", choices=("bounded", "exact"), default="bounded",
+                   help="what a prefix-cache hit recomputes: bounded (the last 128 tokens; outputs close to a "
+                        "cold run's) or exact (the window dependency halo; a cold run's values)")
+    p.add_argument("--prefix-cache-host-pages", type=int, default=0, metavar="N",
+                   help="keep up to N prefix-cache pages evicted from the device in host memory (default: 0)")
+    p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="also keep evicted prefix-cache pages as checksummed files in DIR, for restarts")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='DSpark speculative decoding with the checkpoint\'s drafter, e.g. \'{"method": "dspark", '
                         '"num_speculative_tokens": 5}\' (greedy requests verify that many drafts per step; '

@@ -249,12 +249,12 @@ _HISTOGRAMS = {
 def metrics_registry(llm: LLM):
     """A `prometheus_client.CollectorRegistry` exposing `llm.get_metrics()` at every scrape
     (vLLM's names and labels; see `deepinfer.serve.api.prometheus`)."""
-    from deepinfer.serve.api.prometheus import MetricValues, bucket_counts, spec_decode_values
+    from deepinfer.serve.api.prometheus import MetricValues, bucket_counts, engine_counter_values
     from deepinfer.serve.api.prometheus import metrics_registry as registry
 
     def scrape() -> MetricValues:
         m = llm.get_metrics()
-        spec, per_pos = spec_decode_values(m)
+        spec, per_pos = engine_counter_values(m)
         return MetricValues(
             gauges={name: (doc, m[name]) for name, doc in _GAUGES.items()},
             counters={**{name: (doc, m[name]) for name, doc in _COUNTERS.items()}, **spec},

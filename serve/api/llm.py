@@ -56,6 +56,7 @@ from deepinfer.model import PRESETS, init_params, load_checkpoint, load_config, 
 from deepinfer.model.checkpoint import INDEX_FILE, single_device
 from deepinfer.pallas_kernels.accelerator import Accelerator, select_accelerator
 from deepinfer.serve.api.types import RequestOutput, SamplingParams
+from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
 from deepinfer.serve.compilation_cache import enable_compilation_cache, resolve_compilation_cache
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import PREFILL_MODES, EngineConfig, LLMEngine
@@ -86,6 +87,7 @@ _KNOWN_ARGS = (
     "prefill_chunk", "max_num_batched_tokens", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
     "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context", "accelerator",
     "compilation_cache", "warmup", "async_scheduling", "speculative_config", "deterministic",
+    "enable_prefix_caching", "prefix_replay", "prefix_cache_host_pages", "prefix_cache_dir",
 )
 
 
@@ -313,6 +315,15 @@ class LLM:
         deterministic: batch-invariant inference: a request's tokens and logprobs are the same bits
             whatever else runs with it and however its prompt is chunked (one device, no
             speculative decoding; see `EngineConfig.deterministic`).
+        enable_prefix_caching, prefix_replay: share full prompt pages between requests by their
+            tokens (`deepinfer.serve.engine.prefix_cache`); a hit rebuilds the sequence's window
+            state by replaying the hit's last 128 tokens ("bounded", V4.1's encoder-side bounded
+            replay: outputs are close to, not the same as, a cold run's) or the whole window
+            dependency halo ("exact": a cold run's values up to chunking rounding). Requests
+            choose how long their pages stay cached with `SamplingParams.cache_ttl_class`.
+        prefix_cache_host_pages, prefix_cache_dir: the tiers below the device: pages evicted from
+            the device are kept in host memory (at most this many) and, with a directory, in
+            checksummed files there that outlive the process (one device only).
         log_stats_interval: seconds between the periodic stats log lines (None: never).
         cache_dir: where the embedded default checkpoint is written / read.
         mesh: run on many devices: a `jax.sharding.Mesh` with axes ("dp", "cp", "tp"), a spec
@@ -376,6 +387,10 @@ class LLM:
         async_scheduling: bool = True,
         speculative_config: dict | SpeculativeConfig | None = None,
         deterministic: bool = False,
+        enable_prefix_caching: bool = False,
+        prefix_replay: str = "bounded",
+        prefix_cache_host_pages: int = 0,
+        prefix_cache_dir: str | os.PathLike | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -450,7 +465,11 @@ class LLM:
                                      eplb_interval=eplb_interval, eplb_slots=eplb_slots,
                                      drafter_context=drafter_context, kernels=self.accelerator.kernel_config(),
                                      async_scheduling=bool(async_scheduling), speculative=speculative,
-                                     deterministic=bool(deterministic))
+                                     deterministic=bool(deterministic),
+                                     prefix_cache=PrefixCacheConfig(
+                                         replay=prefix_replay, host_pages=prefix_cache_host_pages,
+                                         disk_dir=None if prefix_cache_dir is None else os.fspath(prefix_cache_dir))
+                                     if enable_prefix_caching else None)
         self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config, mesh=self.mesh)
         self.log_stats_interval = log_stats_interval
         self.warmup = warmup
@@ -618,7 +637,8 @@ class LLM:
         `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`. With speculative decoding,
         vLLM's spec-decode counters too: `vllm:spec_decode_num_drafts`,
         `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
-        `vllm:spec_decode_num_accepted_tokens_per_pos` ({position: count}).
+        `vllm:spec_decode_num_accepted_tokens_per_pos` ({position: count}). With the prefix cache,
+        `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` (tokens looked up, tokens found).
         """
         with self._lock:
             self._count_prompts()
@@ -634,8 +654,7 @@ class LLM:
             }
             for name, samples in self._samples.items():
                 metrics[name] = list(samples)
-            if self.engine.spec_counts is not None:
-                metrics.update(self.engine.spec_counts.metrics())
+            metrics.update(self.engine.counters())
         return metrics
 
     def start_profile(self, log_dir: str | os.PathLike) -> None:

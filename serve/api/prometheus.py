@@ -22,21 +22,28 @@ class MetricValues:
     labelled: dict[str, tuple[str, str, dict[str, float]]] = field(default_factory=dict)
 
 
-SPEC_DECODE = {
+# the engine's own counters (`LLMEngine.counters`), present only with their feature on
+ENGINE_COUNTERS = {
     "vllm:spec_decode_num_drafts": "Number of spec decoding drafts.",
     "vllm:spec_decode_num_draft_tokens": "Number of draft tokens.",
     "vllm:spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+    "vllm:prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "vllm:prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
 }
-SPEC_DECODE_PER_POS = ("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-                       "position")
+# counters with a label of their own: name -> (help, label)
+LABELLED_COUNTERS = {
+    "vllm:spec_decode_num_accepted_tokens_per_pos": ("Accepted tokens per draft position.", "position"),
+    "deepinfer:prefix_cache_hits_by_tier": ("Prefix cache hits by the tier the pages came from, in tokens.",
+                                            "tier"),
+}
 
 
-def spec_decode_values(metrics: dict) -> tuple[dict, dict]:
-    """The spec-decode counters of an `LLM.get_metrics()`-style dict as `MetricValues.counters`
-    and `.labelled` entries (both empty without speculative decoding)."""
-    counters = {name: (doc, metrics[name]) for name, doc in SPEC_DECODE.items() if name in metrics}
-    name, doc, label = SPEC_DECODE_PER_POS
-    labelled = {name: (doc, label, metrics[name])} if name in metrics else {}
+def engine_counter_values(metrics: dict) -> tuple[dict, dict]:
+    """The engine counters of an `LLM.get_metrics()`-style dict (spec decode, prefix cache) as
+    `MetricValues.counters` and `.labelled` entries (empty with those features off)."""
+    counters = {name: (doc, metrics[name]) for name, doc in ENGINE_COUNTERS.items() if name in metrics}
+    labelled = {name: (doc, label, metrics[name]) for name, (doc, label) in LABELLED_COUNTERS.items()
+                if name in metrics}
     return counters, labelled
 
 

@@ -9,12 +9,15 @@ sequence owns which slot and pages; the device arrays are only touched by the ji
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.kv_cache import PACKED, CacheLayout, bytes_per_token, slot_bytes
+from deepinfer.serve.engine.page_store import DiskPageStore, HostPageStore, Rows
+from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig, PrefixIndex, page_keys, salt_of
 
 
 class AdmissionError(ValueError):
@@ -55,48 +58,132 @@ def make_layout(config: ModelConfig, budget: CacheBudget, storage: str | None = 
 
 
 class PageAllocator:
-    """A free list of physical pages."""
+    """A rank's physical pages: a free list, how many sequences hold each page, and (with a
+    prefix cache) the published pages that no sequence holds, which are free on demand."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, index: PrefixIndex | None = None):
         self.num_pages = num_pages
+        self.index = index
         self._free = list(range(num_pages - 1, -1, -1))
+        self.refs: dict[int, int] = {}
+        # keeps the bytes of evicted published pages (the host tier), given (page, key, deadline)
+        self.offload: Callable[[list[tuple[int, bytes, float]]], None] | None = None
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can have: free ones and cached ones no sequence holds."""
+        return len(self._free) + (len(self.index.idle) if self.index is not None else 0)
 
     def alloc(self, n: int) -> list[int]:
+        if n > self.free:
+            raise MemoryError(f"{n} pages requested, {self.free} free")
         if n > len(self._free):
-            raise MemoryError(f"{n} pages requested, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+            evicted = self.index.evict(n - len(self._free))
+            if self.offload is not None:
+                self.offload(evicted)
+            self._free.extend(page for page, _, _ in evicted)
+        pages = [self._free.pop() for _ in range(n)]
+        for page in pages:
+            self.refs[page] = 1
+        return pages
+
+    def hold(self, pages: list[int], ttl: float) -> None:
+        """Another sequence shares these published pages."""
+        for page in pages:
+            self.refs[page] = self.refs.get(page, 0) + 1
+            self.index.adopt(page, ttl)
 
     def release(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """A sequence lets go of its pages: those nobody holds go back to the free list unless
+        they stay cached."""
+        freed = []
+        now = None if self.index is None else self.index.clock()
+        for page in pages:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                del self.refs[page]
+                if self.index is None or not self.index.park(page, now):
+                    freed.append(page)
+        self._free.extend(reversed(freed))
+
+    def expire(self) -> int:
+        """Free the cached pages whose TTL ran out; returns how many."""
+        if self.index is None:
+            return 0
+        pages = self.index.expired()
+        for page in pages:
+            self.index.drop(page)
+        self._free.extend(pages)
+        return len(pages)
 
 
 class RankedPages:
     """One page allocator per data-parallel rank (page ids are local to the rank)."""
 
-    def __init__(self, num_pages: int, dp: int):
-        self.ranks = [PageAllocator(num_pages // dp) for _ in range(dp)]
+    def __init__(self, num_pages: int, dp: int, clock=None):
+        self.ranks = [PageAllocator(num_pages // dp, None if clock is None else PrefixIndex(clock))
+                      for _ in range(dp)]
 
     @property
     def free(self) -> int:
         return sum(a.free for a in self.ranks)
 
+    @property
+    def cached(self) -> int:
+        """Published pages (held or idle) over every rank."""
+        return sum(len(a.index) for a in self.ranks if a.index is not None)
+
+
+@dataclass
+class PrefixHit:
+    """Cached pages that start a sequence: on `rank`, naming its first `len(pages)` pages."""
+
+    rank: int
+    pages: list[int]
+    last_key: bytes  # chain hash of the last page: the sequence's next pages chain from it
+
+
+@dataclass
+class PrefixLookup:
+    keys: list[bytes]  # chain hashes of the sequence's full pages
+    hit: PrefixHit | None
+    waits: bool  # a running sequence is computing the page after the hit
+    # the pages after the device's hit found in the host or disk tier: (key, rows, tier)
+    restore: list[tuple[bytes, Rows, str]] = field(default_factory=list)
+
+    @property
+    def pages(self) -> int:
+        """Cached pages in all tiers."""
+        return (0 if self.hit is None else len(self.hit.pages)) + len(self.restore)
+
 
 class CacheManager:
     """Slots and page tables of the running sequences. Slot ids are global and rank-major
-    (rank = slot // slots_per_rank); a slot's pages come from its rank's share."""
+    (rank = slot // slots_per_rank); a slot's pages come from its rank's share. With a prefix
+    cache (`prefix_cache.py`) a sequence may start with published pages it shares, and its own
+    full pages are published as they are computed (`publish`)."""
 
-    def __init__(self, config: ModelConfig, layout: CacheLayout):
+    def __init__(self, config: ModelConfig, layout: CacheLayout, prefix: PrefixCacheConfig | None = None,
+                 weights: bytes = b""):
+        """`weights`: a fingerprint of the params (`page_store.params_fingerprint`), part of
+        every page's key where pages outlive the process (the disk tier)."""
         self.config = config
         self.layout = layout
-        self.pages = RankedPages(layout.num_pages, layout.dp)
+        self.prefix = prefix
+        self.pages = RankedPages(layout.num_pages, layout.dp, None if prefix is None else prefix.clock)
         per_rank = layout.slots_per_rank
         self._free_slots = [list(range((r + 1) * per_rank - 1, r * per_rank - 1, -1)) for r in range(layout.dp)]
         self.page_table = np.full((layout.num_slots, layout.max_pages_per_slot), -1, np.int32)
         self._owned: dict[int, list[int]] = {}
+        # prefix cache: what besides the tokens decides a page's bytes; per slot the TTL its
+        # pages get (0: it publishes none) and (pages published, last chain hash)
+        self._salt = b"" if prefix is None else salt_of(config, layout.page_size, layout.storage, prefix.replay,
+                                                         weights)
+        self._ttl: dict[int, float] = {}
+        self._chain: dict[int, tuple[int, bytes]] = {}
+        self._claims: dict[bytes, int] = {}  # pages running sequences will publish -> slot
+        self.store: HostPageStore | None = None  # the tiers below the device (`connect`)
+        self._page_io = None
 
     # -- accounting --
     @property
@@ -147,14 +234,125 @@ class CacheManager:
         need = self.pages_for(length) - len(self._owned.get(slot, []))
         return need <= self.pages.ranks[self.rank_of(slot)].free
 
-    def acquire_slot(self, length: int = 0) -> int:
-        """A free slot on the best rank for a sequence whose first `length` tokens must fit."""
-        rank = self._best_rank(length)
-        if rank is None:
+    def acquire_slot(self, length: int = 0, hit: PrefixHit | None = None, ttl: float = 0.0,
+                     restore: list[tuple[bytes, Rows, str]] = ()) -> int:
+        """A free slot for a sequence whose first `length` tokens must fit: on the best rank, or
+        on the hit's, holding its pages, then `restore`'s pages written back from the host or
+        disk tier. The sequence's own full pages get `ttl` when published."""
+        rank = (0 if restore else self._best_rank(length)) if hit is None else hit.rank
+        if rank is None or not self._free_slots[rank]:
             raise MemoryError("no free cache slot")
         slot = self._free_slots[rank].pop()
         self._owned[slot] = []
+        self._ttl[slot], self._chain[slot] = ttl, (0, b"")
+        if hit is not None:
+            self.pages.ranks[rank].hold(hit.pages, ttl)
+            self._owned[slot] = list(hit.pages)
+            self.page_table[slot, :len(hit.pages)] = hit.pages
+            self._chain[slot] = (len(hit.pages), hit.last_key)
+        if restore:
+            self._restore(slot, restore, ttl)
         return slot
+
+    # -- prefix cache --
+    def connect(self, page_io) -> None:
+        """Keep evicted pages in the host (and disk) tier of the prefix config, read and written
+        through `page_io` (`ModelRunner.read_pages` / `write_pages`)."""
+        if self.prefix is None or not (self.prefix.host_pages or self.prefix.disk_dir):
+            return
+        disk = None if self.prefix.disk_dir is None else DiskPageStore(self.prefix.disk_dir)
+        self.store = HostPageStore(self.prefix.host_pages, self.prefix.clock, disk)
+        self._page_io = page_io
+        if self.prefix.host_pages:
+            self.pages.ranks[0].offload = self._offload
+
+    def flush_disk(self, block: bool = False) -> None:
+        """Write the published pages whose bytes reached the host to the disk tier (all, blocking)."""
+        if self.store is not None and self.store.disk is not None:
+            self.store.disk.flush(block)
+
+    def _offload(self, evicted: list[tuple[int, bytes, float]]) -> None:
+        batch = self._page_io.read_pages([page for page, _, _ in evicted])
+        for i, (_, key, deadline) in enumerate(evicted):
+            self.store.put(key, batch, i, deadline)
+
+    def _restore(self, slot: int, restore: list[tuple[bytes, Rows, str]], ttl: float) -> None:
+        """Pages of the host or disk tier become the slot's next pages, published again."""
+        allocator = self.pages.ranks[self.rank_of(slot)]
+        pages = allocator.alloc(len(restore))
+        self._page_io.write_pages(pages, [rows for _, rows, _ in restore])
+        done = len(self._owned[slot])
+        for depth, (page, (key, _, _)) in enumerate(zip(pages, restore), start=done):
+            allocator.index.publish(page, key, depth, ttl)
+            self.store.discard(key)
+        self.page_table[slot, done:done + len(pages)] = pages
+        self._owned[slot].extend(pages)
+        self._chain[slot] = (done + len(pages), restore[-1][0])
+
+    def find_prefix(self, tokens: np.ndarray) -> PrefixLookup:
+        """The longest run of cached pages that starts `tokens` (full pages only) on a rank with
+        a free slot, continued in the host and disk tiers, and whether a running sequence is
+        computing the page after it."""
+        keys = page_keys(tokens, self.layout.page_size, self._salt)
+        best = None
+        for rank, allocator in enumerate(self.pages.ranks):
+            allocator.expire()
+            pages = allocator.index.match(keys) if self._free_slots[rank] else []
+            if pages and (best is None or len(pages) > len(best.pages)):
+                best = PrefixHit(rank, pages, keys[len(pages) - 1])
+        n = 0 if best is None else len(best.pages)
+        restore = []
+        if self.store is not None and self._free_slots[0]:
+            for key in keys[n:]:
+                found = self.store.get(key)
+                if found is None:
+                    break
+                restore.append((key, *found))
+        n += len(restore)
+        return PrefixLookup(keys, best, n < len(keys) and keys[n] in self._claims, restore)
+
+    def claim(self, slot: int, keys: list[bytes]) -> None:
+        """`slot` will compute (and publish) the pages named `keys`: others that need them wait."""
+        if self._ttl.get(slot, 0.0) > 0:
+            for key in keys:
+                self._claims.setdefault(key, slot)
+
+    def _unclaim(self, slot: int, keys=None) -> None:
+        for key in list(self._claims) if keys is None else keys:
+            if self._claims.get(key) == slot:
+                del self._claims[key]
+
+    def can_admit(self, length: int, hit: PrefixHit) -> bool:
+        """A slot on the hit's rank and the pages `length` tokens need beyond the hit's (whose
+        idle pages stop being free once held)."""
+        allocator = self.pages.ranks[hit.rank]
+        idle = sum(1 for p in hit.pages if p in allocator.index.idle)
+        need = self.pages_for(length) - len(hit.pages)
+        return bool(self._free_slots[hit.rank]) and need <= allocator.free - idle
+
+    def publish(self, slot: int, upto: int, ids) -> None:
+        """Publish the slot's full pages below token `upto` (computed, and known to the host:
+        no placeholder of a step in flight), whose ids `ids(start, end)` returns. A page whose
+        tokens another page already holds stays private to the slot."""
+        if self._ttl.get(slot, 0.0) <= 0:
+            return
+        done, parent = self._chain[slot]
+        full = min(upto // self.layout.page_size, len(self._owned[slot]))
+        if full <= done:
+            return
+        size = self.layout.page_size
+        keys = page_keys(ids(done * size, full * size), size, self._salt, parent)
+        index = self.pages.ranks[self.rank_of(slot)].index
+        published = [(page, key) for depth, (page, key) in enumerate(zip(self._owned[slot][done:full], keys),
+                                                                     start=done)
+                     if index.publish(page, key, depth, self._ttl[slot])]
+        if published and self.store is not None and self.store.disk is not None:
+            batch = self._page_io.read_pages([page for page, _ in published])
+            deadline = self.prefix.clock() + self._ttl[slot]
+            for i, (_, key) in enumerate(published):
+                self.store.disk.queue(key, batch, i, deadline)
+        self._chain[slot] = (full, keys[-1])
+        self._unclaim(slot, keys)
 
     def ensure(self, slot: int, length: int) -> None:
         """Own enough pages for `length` tokens (raises MemoryError if the pool is short)."""
@@ -169,6 +367,9 @@ class CacheManager:
 
     def release(self, slot: int) -> None:
         self.pages.ranks[self.rank_of(slot)].release(self._owned.pop(slot))
+        if self._ttl.pop(slot, 0.0) > 0:
+            self._unclaim(slot)
+        self._chain.pop(slot, None)
         self.page_table[slot] = -1
         self._free_slots[self.rank_of(slot)].append(slot)
 

@@ -53,6 +53,8 @@ from deepinfer.serve.engine.types import MAX_LOGPROBS, Logprob, RequestOutput, S
 from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.cache import AdmissionError, CacheBudget, CacheManager, make_layout
 from deepinfer.serve.engine.expert_balance import ExpertBalancer
+from deepinfer.serve.engine.page_store import params_fingerprint
+from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
 from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples, SplitStep, StepSampling, token_bucket
 from deepinfer.serve.engine.sampler import SampleOutput
@@ -106,6 +108,9 @@ class EngineConfig:
     # (`KernelConfig.batch_invariant`), and a request without a seed samples with one derived
     # from its prompt (not from its arrival). One device, no speculative decoding yet.
     deterministic: bool = False
+    # share full prompt pages between requests by their tokens and rebuild the per-sequence
+    # state of a hit by replay (`prefix_cache.py`); None: every prompt is computed from its start
+    prefix_cache: PrefixCacheConfig | None = None
 
     def __post_init__(self):
         if self.prefill_mode not in PREFILL_MODES:
@@ -155,11 +160,16 @@ class LLMEngine:
         draft_rings = config.num_nextn_predict_layers if drafter else 0
         layout = make_layout(config, engine_config.budget, dp=1 if mesh is None else mesh.shape["dp"],
                              draft_rings=draft_rings)
-        self.cache = CacheManager(config, layout)
+        prefix = engine_config.prefix_cache
+        if prefix is not None and (prefix.host_pages or prefix.disk_dir) and mesh is not None:
+            raise ValueError("prefix_cache: the host and disk tiers run on one device for now (no mesh)")
+        weights = params_fingerprint(params) if prefix is not None and prefix.disk_dir else b""
+        self.cache = CacheManager(config, layout, prefix, weights)
         self.runner = ModelRunner(params, config, layout, engine_config.kernels, mesh=mesh,
                                   keep_logical_experts=engine_config.eplb_interval is not None,
                                   max_logit_bias=engine_config.max_logit_bias,
                                   max_bans=engine_config.max_stop_token_ids + 1)
+        self.cache.connect(self.runner)
         self.balancer = None
         if engine_config.eplb_interval is not None:
             self.balancer = ExpertBalancer.for_mesh(config.num_hidden_layers, config.n_routed_experts,
@@ -168,7 +178,7 @@ class LLMEngine:
             self.runner.apply_expert_layout(*self.balancer.initial(), self.balancer.max_replicas)
         self.scheduler = Scheduler(self.cache, prefill_chunk=engine_config.prefill_chunk,
                                    max_num_batched_tokens=engine_config.max_num_batched_tokens,
-                                   lookahead=self._lookahead)
+                                   lookahead=self._lookahead, replay_tokens=self._replay_tokens())
         self.requests: dict[str, Request] = {}
         self._order = itertools.count()
         self._seeds = np.random.default_rng(engine_config.seed)  # of requests without one
@@ -197,6 +207,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids: id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
         params.check_vocabulary(self.config.vocab_size)
+        if params.cache_ttl_class is not None and self.engine_config.prefix_cache is not None:
+            self.engine_config.prefix_cache.ttl(params.cache_ttl_class)
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs: at most {MAX_LOGPROBS} alternatives are supported, got {params.logprobs}")
         sampling_state.check_capacity(params, eos_token_id=self.config.eos_token_id,
@@ -265,6 +277,19 @@ class LLMEngine:
                                 [r.length - 1 for r in rows], [r.floor for r in rows])
         return {r.request_id: {k: out[k][i] for k in ("tokens", "logits", "confidence")} for i, r in enumerate(rows)}
 
+    def counters(self) -> dict:
+        """The engine's own counters under vLLM's names: spec decode and prefix cache, each only
+        when it is on."""
+        out = {} if self.spec_counts is None else self.spec_counts.metrics()
+        if self.cache.prefix is not None:
+            out["vllm:prefix_cache_queries"] = self.scheduler.prefix_stats["queries"]
+            out["vllm:prefix_cache_hits"] = self.scheduler.prefix_stats["hits"]
+            stats = self.scheduler.prefix_stats
+            out["deepinfer:prefix_cache_hits_by_tier"] = {
+                "device": stats["hits"] - stats["hits_host"] - stats["hits_disk"],
+                "host": stats["hits_host"], "disk": stats["hits_disk"]}
+        return out
+
     def has_unfinished(self) -> bool:
         """Requests wait, run, or have a token in flight."""
         return self.scheduler.has_work or bool(self._ready or self._in_flight)
@@ -310,6 +335,7 @@ class LLMEngine:
             finished += self._verify(plan.decode)
         self._finish_stuck(plan, finished)
         self._check_progress(plan, finished, read=bool(to_read))
+        self.cache.flush_disk(block=not self.has_unfinished())
         self._step_count += 1
         if self.balancer is not None and self.balancer.due(self._step_count):
             layout = self.balancer.update(self.runner.read_counts())
@@ -327,7 +353,7 @@ class LLMEngine:
         for step in prefill_passes(plan.prefill, self.cache):
             decoder, group = step.decoder, step.chunks
             work = [ChunkWork(r.slot, r.ids(r.computed, r.computed + n), r.computed, self._lookback(r, r.computed),
-                              r.floor) for r, n in group]
+                              r.floor, r.write_floor) for r, n in group]
             emit = [r.computed + n == r.length for r, n in group]
             sample = self._step_sampling([r if e else None for (r, _), e in zip(group, emit)]) if decoder else None
             out = self.runner.run(work, self.cache.page_table, rows=step.rows, decoder=decoder,
@@ -335,6 +361,7 @@ class LLMEngine:
             for i, (request, n) in enumerate(group):
                 request.computed += n
                 self.stats["prompt_tokens"] += n
+                self._publish(request)
                 if request.to_feed == 0:
                     sampled.append(self._sampled(request, out, i))
         if plan.decode and self.speculative is None:
@@ -344,13 +371,26 @@ class LLMEngine:
                 deferred = self.runner.run_split(work, self.cache.page_table)
                 for request in plan.decode:
                     request.computed += 1
+                    self._publish(request)
                 return sampled, deferred
             out = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.slots_per_rank, tokens=1,
                                   sample=self._step_sampling(plan.decode), defer=True)
             for i, request in enumerate(plan.decode):
                 request.computed += 1
+                self._publish(request)
                 sampled.append(self._sampled(request, out, i))
         return sampled, None
+
+    def _publish(self, request: Request) -> None:
+        """Offer the request's newly computed full pages to the prefix cache. Pages are named
+        once the step that writes them is dispatched: a later step that reads them runs after it."""
+        if self.cache.prefix is not None and request.slot is not None:
+            self.cache.publish(request.slot, min(request.computed, request.known), request.ids)
+
+    def _replay_tokens(self) -> int:
+        prefix = self.engine_config.prefix_cache
+        return 0 if prefix is None else prefix.replay_tokens(self.config.sliding_window,
+                                                             self.config.num_hidden_layers)
 
     def _sample_split(self, deferred: SplitStep, requests: list[Request]) -> list[_Sampled]:
         """Dispatch the sampler of a split decode step, the previous step's tokens read and the
@@ -546,6 +586,7 @@ class LLMEngine:
         for i, request in enumerate(requests):
             accepted, count = int(out.accepted[i]), int(out.count[i])
             request.computed += 1 + accepted  # the anchor and the accepted drafts are in the cache
+            self._publish(request)
             self.spec_counts.record(request.lookahead, accepted)
             if request.lookahead:
                 gained = [(int(t), None) for t in out.tokens[i, :count]]

@@ -42,6 +42,9 @@ class Request:
     # the token read, stop rules applied, else it ends with this finish reason ("length")
     closing: str | None = None
     floor: int = 0  # decoder replay start (compact prefill); set when the prefill starts
+    # prefix cache: tokens whose pages came from the cache at admission; the step never writes
+    # global KV below it (`StepBatch.write_floor`) while replaying them
+    write_floor: int = 0
     # speculative decoding: the drafts its next verify step checks (set by the scheduler, which
     # reserves their pages) and, when not None, drafts proposed on the host to check instead of
     # the drafter's (tests' oracle drafts; used once)
@@ -100,4 +103,4 @@ class Request:
             stop_reason=self.stop_reason,
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), None, [completion],
-                             self.finished, self.metrics, 0)
+                             self.finished, self.metrics, self.write_floor)

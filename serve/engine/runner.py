@@ -13,6 +13,7 @@ rows). The jitted steps are the engine configuration's (`programs.py`), held by 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -27,10 +28,11 @@ from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import draft_from_cache, has_drafter
 from deepinfer.model.engram_hash import hasher_for
 from deepinfer.model.forward import engram_hash_ids
-from deepinfer.model.kv_cache import CacheLayout, init_cache, padded_slot_ids, reset_slots
+from deepinfer.model.kv_cache import CacheLayout, KVCache, init_cache, padded_slot_ids, reset_slots
 from deepinfer.model.step import StepBatch
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine import sampling_state
+from deepinfer.serve.engine.page_store import EvictedPages
 from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
@@ -50,6 +52,7 @@ class ChunkWork:
     # (`ModelRunner.lookback`) are read, and callers pass just those (O(1) per decode row)
     history: np.ndarray
     floor: int = 0  # decoder replay start of the sequence (compact prefill); 0 = full fidelity
+    write_floor: int = 0  # no global KV is written below this position (prefix-cache pages)
 
 
 class PendingSamples:
@@ -129,6 +132,22 @@ def token_bucket(n: int, minimum: int = 128) -> int:
 
 
 _reset_slots = jax.jit(reset_slots, donate_argnums=0)
+
+
+@jax.jit
+def _gather_pages(cache: KVCache, pages: jax.Array) -> list[jax.Array]:
+    return [a[pages] for a in jax.tree.leaves((cache.entries, cache.index_keys))]
+
+
+@partial(jax.jit, donate_argnums=0)
+def _scatter_pages(cache: KVCache, pages: jax.Array, rows: list[jax.Array]) -> KVCache:
+    pools, tree = jax.tree.flatten((cache.entries, cache.index_keys))
+    entries, keys = jax.tree.unflatten(tree, [a.at[pages].set(r, mode="drop") for a, r in zip(pools, rows)])
+    return dataclasses.replace(cache, entries=entries, index_keys=keys)
+
+
+def _page_bucket(n: int) -> int:
+    return max(8, 1 << (n - 1).bit_length())
 
 
 def row_bucket(n: int, slots_per_rank: int) -> int:
@@ -282,6 +301,7 @@ class ModelRunner:
         slots = np.zeros((B,), np.int32)
         last = np.zeros((B,), np.int32)
         floor = np.zeros((B,), np.int32)
+        write_floor = np.zeros((B,), np.int32)
         table = np.full((B, n_pages), -1, np.int32)
         row_of = []
         filled = [0] * dp
@@ -299,6 +319,7 @@ class ModelRunner:
             slots[b] = local
             last[b] = n - 1
             floor[b] = w.floor
+            write_floor[b] = w.write_floor
             table[b] = page_table[w.slot, :n_pages]
             used[rank].add(local)
         # padding rows point at a slot of their rank that no row uses: they write nothing
@@ -311,7 +332,7 @@ class ModelRunner:
             full = np.zeros((B, *hash_ids.shape[1:]), np.int32)
             full[row_of] = hash_ids
             hash_ids = full
-        batch = StepBatch(tok, pos, slots, table, hash_ids, last, floor)
+        batch = StepBatch(tok, pos, slots, table, hash_ids, last, floor, write_floor)
         return batch, row_of, folds, n_pages
 
     def run(self, work: list[ChunkWork], page_table: np.ndarray, *, rows: int, tokens: int,
@@ -493,6 +514,26 @@ class ModelRunner:
                 new = self.mesh_step.place_params({"layers": [{"ffn": new}]})["layers"][0]["ffn"]
             layers[layer] = {**layers[layer], "ffn": new}
         self.params = {**self.params, "layers": layers}
+
+    def read_pages(self, pages: list[int]) -> EvictedPages:
+        """The bytes of global `pages` (every source's entries and indexer keys), copied to the
+        host asynchronously: row i of each array is page i (the prefix cache's host tier)."""
+        index = np.zeros(_page_bucket(len(pages)), np.int32)
+        index[:len(pages)] = pages
+        return EvictedPages(_gather_pages(self.cache, jnp.asarray(index)))
+
+    def write_pages(self, pages: list[int], rows: list[list[np.ndarray]]) -> None:
+        """Write pages read back from the host tier (`rows[i]`: page i's arrays, as `read_pages`
+        gave them) before any later step reads them."""
+        n = _page_bucket(len(pages))
+        index = np.full(n, self.layout.num_pages, np.int32)  # padding: dropped
+        index[:len(pages)] = pages
+        stacked = []
+        for j, like in enumerate(jax.tree.leaves((self.cache.entries, self.cache.index_keys))):
+            block = np.zeros((n, *like.shape[1:]), like.dtype)
+            block[:len(pages)] = [r[j] for r in rows]
+            stacked.append(block)
+        self.cache = _scatter_pages(self.cache, jnp.asarray(index), stacked)
 
     def runner_cache_entries(self) -> list[np.ndarray]:
         """Host copies of every source's compressed entries (first codec array), for tests."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deepinfer.serve.engine.cache import CacheManager
+from deepinfer.serve.engine.prefix_cache import replay_start
 from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import row_bucket, token_bucket
 
@@ -69,9 +70,10 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache: CacheManager, *, prefill_chunk: int = 512, max_num_batched_tokens: int = 2048,
-                 lookahead: Callable[[Request], int] = lambda request: 0):
+                 lookahead: Callable[[Request], int] = lambda request: 0, replay_tokens: int = 0):
         """`lookahead(request)`: the drafts a decoding request's next step would verify
-        (speculative decoding), whose pages it reserves besides the anchor's."""
+        (speculative decoding), whose pages it reserves besides the anchor's; `replay_tokens`:
+        tokens recomputed below a prefix-cache hit (`PrefixCacheConfig.replay_tokens`)."""
         if prefill_chunk % GRANULE:
             raise ValueError(f"prefill_chunk must be a multiple of {GRANULE}, got {prefill_chunk}")
         check_token_budget(max_num_batched_tokens, cache.layout.slots_per_rank)
@@ -82,6 +84,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.replay_tokens = replay_tokens
+        # vLLM's prefix-cache counters, in tokens: prompts looked up, and found cached
+        # (all tiers; `hits_host` / `hits_disk`: of them, brought back from the host or disk tier)
+        self.prefix_stats = {"queries": 0, "hits": 0, "hits_host": 0, "hits_disk": 0}
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -133,19 +139,7 @@ class Scheduler:
             if self.cache.can_allocate(need, request.slot):
                 self.cache.ensure(request.slot, need)
                 plan.decode.append(request)
-        # admit waiting requests while a slot and the pages of their first chunk are free
-        while self.waiting and self.cache.free_slots:
-            request = self.waiting[0]
-            if request.pending:  # preempted with a token in flight: its prefill needs that token
-                break
-            first = min(request.length, self.prefill_chunk)
-            if not self.cache.can_allocate(first):
-                break
-            self.waiting.popleft()
-            request.slot = self.cache.acquire_slot(first)
-            request.status = Status.RUNNING
-            self.running.append(request)
-            plan.admitted.append(request)
+        self._admit(plan)
         # prefill chunks of running requests that have more than one token to feed, under each
         # dp rank's token budget (what its decodes left)
         used = [0] * self.cache.layout.dp
@@ -166,6 +160,54 @@ class Scheduler:
         if not plan.prefill and not plan.decode:
             self._unblock_prefill(plan)
         return plan
+
+    def _admit(self, plan: StepPlan) -> None:
+        """Admit waiting requests, in order, while a slot and the pages of their first chunk are
+        free. With a prefix cache a request starts on the cached pages of its longest hit and
+        computes from its replay start; one whose next pages another running request is computing
+        waits for them (16 prompts with one long prefix compute it once), letting later ones by."""
+        i = 0
+        while i < len(self.waiting) and self.cache.free_slots:
+            request = self.waiting[i]
+            if request.pending:  # preempted with a token in flight: its prefill needs that token
+                break
+            lookup = self._lookup(request)
+            if lookup is not None and lookup.waits:
+                i += 1
+                continue
+            size = self.cache.layout.page_size
+            hit, restore = (None, []) if lookup is None else (lookup.hit, lookup.restore)
+            cached = 0 if lookup is None else lookup.pages
+            start = replay_start(cached * size, self.replay_tokens, GRANULE)
+            if start == 0:
+                # no hit, or one no longer than the replay: recomputing is cheaper
+                hit, restore, cached = None, [], 0
+            first = start + min(request.length - start, self.prefill_chunk)
+            if not (self.cache.can_allocate(first) if hit is None else self.cache.can_admit(first, hit)):
+                break
+            del self.waiting[i]
+            ttl = 0.0 if lookup is None else self.cache.prefix.ttl(
+                request.params.cache_ttl_class or self.cache.prefix.default_ttl_class)
+            request.slot = self.cache.acquire_slot(first, hit, ttl, restore)
+            request.computed = start
+            request.write_floor = cached * size
+            if lookup is not None:
+                self.cache.claim(request.slot, lookup.keys[cached:])
+                self.prefix_stats["queries"] += request.length
+                self.prefix_stats["hits"] += cached * size
+                for _, _, tier in restore:
+                    self.prefix_stats[f"hits_{tier}"] += size
+            request.status = Status.RUNNING
+            self.running.append(request)
+            plan.admitted.append(request)
+
+    def _lookup(self, request: Request):
+        """The prefix cache's answer for `request`'s full pages before its last token (which
+        must be computed to sample), None without a prefix cache."""
+        if self.cache.prefix is None:
+            return None
+        size = self.cache.layout.page_size
+        return self.cache.find_prefix(request.ids(0, (request.length - 1) // size * size))
 
     def _fit_chunk(self, request: Request, chunks: list[int], room: int) -> int:
         """The longest next chunk of `request` (0: none) that fits beside `chunks` (this step's

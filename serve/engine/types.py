@@ -193,6 +193,10 @@ class SamplingParams:
         logit_bias: {token id: bias} added to the logits before sampling.
         structured_outputs: a `StructuredOutputsParams` (or its dict): the output follows a
             JSON Schema, a regex, a grammar or one of a list of choices.
+    Prefix cache
+        cache_ttl_class: how long the request's prompt pages stay cached once no request holds
+            them: "chat" (7 days), "agent" (3 days), "none" (not kept); None: the engine's
+            default (`PrefixCacheConfig`; the engine checks the name).
 
     `from_dict` builds one from a mapping with vLLM names and the OpenAI request names
     (`max_completion_tokens`, `logprobs: bool` + `top_logprobs`, `logit_bias` with string
@@ -221,6 +225,7 @@ class SamplingParams:
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    cache_ttl_class: str | None = None
 
     def __post_init__(self) -> None:
         # n
@@ -296,6 +301,8 @@ class SamplingParams:
                 _check_int(name, value)
                 if value < 0:
                     _fail(name, f"must be non-negative, got {value}")
+        if self.cache_ttl_class is not None and not isinstance(self.cache_ttl_class, str):
+            _fail("cache_ttl_class", f"must be a str, got {type(self.cache_ttl_class).__name__}")
         # detokenization
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             _check_bool(name, getattr(self, name))

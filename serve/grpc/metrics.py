@@ -133,11 +133,11 @@ class ServerMetrics:
         names them."""
         from prometheus_client import CollectorRegistry
 
-        from deepinfer.serve.api.prometheus import MetricValues, metrics_registry, spec_decode_values
+        from deepinfer.serve.api.prometheus import MetricValues, metrics_registry, engine_counter_values
 
         def scrape() -> MetricValues:
             current = gauges()
-            spec, per_pos = spec_decode_values(engine_counters())
+            spec, per_pos = engine_counter_values(engine_counters())
             with self._lock:
                 return MetricValues(
                     gauges={name: (doc, current.get(name, 0.0)) for name, doc in _GAUGES.items()},

@@ -361,10 +361,9 @@ class GrpcServer:
                 "vllm:kv_cache_usage_perc": float(engine.cache.usage())}
 
     def engine_counters(self) -> dict:
-        """The engine's spec-decode counters under vLLM's names (empty without speculation)."""
-        engine = self.engine
-        counts = None if engine is None else engine.spec_counts
-        return {} if counts is None else counts.metrics()
+        """The engine's own counters under vLLM's names (spec decode, prefix cache; empty with
+        those off)."""
+        return {} if self.engine is None else self.engine.counters()
 
     def metrics_registry(self):
         """A prometheus_client registry with this server's metrics (for `start_http_server`)."""
@@ -568,6 +567,7 @@ class GrpcServer:
                               "prefill_chunk": ec.prefill_chunk, "max_num_batched_tokens": ec.max_num_batched_tokens,
                               "prefill_mode": ec.prefill_mode, "keep_tokens": ec.keep_tokens, "seed": ec.seed,
                               "async_scheduling": engine.async_scheduling, "deterministic": ec.deterministic,
+                              "prefix_caching": None if ec.prefix_cache is None else ec.prefix_cache.replay,
                               "speculative_config": (None if ec.speculative is None else
                                                      {"method": ec.speculative.method, "num_speculative_tokens":
                                                       ec.speculative.num_speculative_tokens}),

@@ -15,12 +15,14 @@ VLLM_DEFAULTS = {
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "detokenize": True,
     "logit_bias": None, "structured_outputs": None,
 }
+# ours, not vLLM's: the prefix cache's TTL class (None: the engine's default)
+EXTENSIONS = {"cache_ttl_class": None}
 
 
 def test_defaults_match_vllm():
     p = SamplingParams()
-    assert set(SamplingParams.field_names()) == set(VLLM_DEFAULTS)
-    for name, value in VLLM_DEFAULTS.items():
+    assert set(SamplingParams.field_names()) == set(VLLM_DEFAULTS) | set(EXTENSIONS)
+    for name, value in {**VLLM_DEFAULTS, **EXTENSIONS}.items():
         assert getattr(p, name) == value, name
     # declared defaults (before normalization) are vLLM's too
     declared = {f.name: f.default for f in dataclasses.fields(SamplingParams)}

@@ -129,3 +129,33 @@ def prompt_ids(n, seed=5):
     ids = np.random.default_rng(seed).integers(3, 128000, n)
     ids[0] = 0
     return ids.tolist()
+
+
+def test_prefix_cache_hits_on_a_mesh_equal_one_device(model):
+    """A second prompt that extends the first hits its pages on its dp rank (3 pages, replayed
+    from 256) and generates what the one-device engine with the same cache generates."""
+    from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
+
+    config, params, tokenizer = model
+    rng = np.random.default_rng(1)
+    first = [0] + rng.integers(3, 128000, 400).tolist()
+    second = first + rng.integers(3, 128000, 60).tolist()
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    def turns(mesh):
+        engine = LLMEngine(params, config, tokenizer, EngineConfig(
+            budget=CacheBudget(num_slots=4, max_model_len=1024, page_size=128), prefill_chunk=128,
+            prefill_mode="full", prefix_cache=PrefixCacheConfig()), mesh=mesh)
+        outputs = {}
+        for rid, ids in (("first", first), ("second", second)):
+            before = engine.stats["prompt_tokens"]
+            engine.add_request(rid, ids, greedy)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    outputs[rid] = (list(out.outputs[0].token_ids), out.num_cached_tokens,
+                                    engine.stats["prompt_tokens"] - before)
+        return outputs
+
+    single = turns(None)
+    assert single["second"][1:] == (384, len(second) - 256)
+    assert turns(make_mesh("dp=2,cp=2,tp=2")) == single
