@@ -69,14 +69,26 @@ def _decode_buckets(requests, layout, max_len: int) -> dict[bool, set[int]]:
     return buckets
 
 
+def _publish(cache, request) -> None:
+    """As `LLMEngine._publish`: later admissions of the dry run hit what it computed."""
+    if cache.prefix is not None:
+        cache.publish(request.slot, min(request.computed, request.known), request.ids)
+
+
 def planned_shapes(engine, max_steps: int = 20_000) -> list[StepShape]:
     """The shapes of the steps that run the engine's current requests to their end (see the
     module docstring), in the order they first occur. The engine is not changed. A dry run that
     has not reached its last prefill after `max_steps` steps (a long queue behind generations of
     thousands of tokens) adds every shape the requests' lengths can reach instead."""
     layout, ec = engine.cache.layout, engine.engine_config
-    cache = copy.deepcopy(engine.cache, memo={id(engine.config): engine.config, id(layout): layout})
-    scheduler = Scheduler(cache, prefill_chunk=ec.prefill_chunk, max_num_batched_tokens=ec.max_num_batched_tokens)
+    # (the prefix cache's index is copied, its host and disk tiers and the device pages are not:
+    # the dry run finds the device hits the engine would and never moves a page)
+    cache = copy.deepcopy(engine.cache, memo={id(engine.config): engine.config, id(layout): layout,
+                                              id(engine.cache.store): None, id(engine.runner): None})
+    for allocator in cache.pages.ranks:
+        allocator.offload = None
+    scheduler = Scheduler(cache, prefill_chunk=ec.prefill_chunk, max_num_batched_tokens=ec.max_num_batched_tokens,
+                          replay_tokens=engine.scheduler.replay_tokens)
     shadow = {id(r): dataclasses.replace(r, output_ids=list(r.output_ids) + [0] * r.pending, pending=0,
                                          detokenizer=None, logprobs=None)
               for r in (*engine.scheduler.waiting, *engine.scheduler.running)}
@@ -98,10 +110,12 @@ def planned_shapes(engine, max_steps: int = 20_000) -> list[StepShape]:
                              logprobs=step.decoder and _wants_logprobs(emitting))] = None
             for r, n in step.chunks:
                 r.computed += n
+                _publish(cache, r)
                 if r.to_feed == 0:
                     sampled.append(r)
         for r in plan.decode:
             r.computed += 1
+            _publish(cache, r)
         for r in sampled:
             r.output_ids.append(0)
             if r.length >= _final_length(r, max_len):

@@ -216,6 +216,30 @@ def test_sixteen_prompts_with_one_2k_prefix_hold_it_once(model):
     no_leaks(engine)
 
 
+def test_a_request_diverging_mid_page_gets_its_own_copy_of_that_page(model):
+    """X and Y share 2,100 tokens, then differ: Y shares X's 16 full pages before the divergence,
+    computes page 17 (tokens 2,048-2,175, 52 of them X's) into a page of its own, and X's page
+    17 keeps its bytes."""
+    engine = engine_for(model, "bounded")
+    common = tokens(2100, 60)
+    x, y = np.concatenate([common, tokens(76, 61)]), np.concatenate([common, tokens(76, 62)])
+    generate(engine, {"x": x})
+    x_pages = engine.cache.find_prefix(x).hit.pages
+    assert len(x_pages) == 17
+    x_page17 = pool_bytes(engine, x_pages[16:])
+    engine.add_request("y", y.tolist(), GREEDY)
+    engine.step()  # admitted, its first chunk dispatched
+    slot = engine.scheduler.running[0].slot
+    assert engine.cache.page_table[slot, :16].tolist() == x_pages[:16]
+    assert engine.cache.page_table[slot, 16] not in x_pages
+    out = run(engine)
+    assert out["y"].num_cached_tokens == 2048
+    for a, b in zip(x_page17, pool_bytes(engine, x_pages[16:])):
+        np.testing.assert_array_equal(a, b)
+    assert len(engine.cache.find_prefix(y).hit.pages) == 17  # Y's page 17, under its own tokens
+    no_leaks(engine)
+
+
 def test_aborted_and_preempted_requests_leak_no_page(model):
     # 24 pages: two 1,600-token sequences sharing 1,280 tokens fit (16 pages), a third of its own
     # (13) forces preemption; one more is aborted mid-prefill

@@ -23,6 +23,7 @@ from deepinfer.serve.engine import runner as runner_module
 from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
 from deepinfer.serve.engine.shape_plan import planned_shapes
 from deepinfer.serve.engine.types import MAX_LOGPROBS
 from deepinfer.serve.engine.warmup import pending_shapes, step_shapes, warm_up
@@ -175,6 +176,8 @@ def add_mix(engine, seed: int, count: int, limit: int, *, stop_early: bool = Fal
     (dict(prefill_chunk=256, max_num_batched_tokens=512), 9, BUDGET),  # more requests than slots: a queue
     (dict(prefill_chunk=128, prefill_mode="full"), 6, BUDGET),
     (dict(prefill_chunk=256), 6, dataclasses.replace(BUDGET, num_pages=16)),  # preemptions
+    # prefix cache: the prompts share their first tokens (hits, replays, waits for a prefix)
+    (dict(prefill_chunk=256, prefix_cache=PrefixCacheConfig()), 6, BUDGET),
 ])
 def test_planned_shapes_are_the_shapes_the_engine_uses(model, recorded, engine_kw, count, budget):
     """The dry run of the scheduler names exactly the step shapes of a batch that runs to its
@@ -196,6 +199,8 @@ def test_planned_shapes_are_the_shapes_the_engine_uses(model, recorded, engine_k
     assert {k for k in used if k[1] == 1} <= {recorded_key(s) for s in planned if s.kind == "decode"}
     if budget.num_pages:
         assert engine.scheduler.num_preemptions > 0
+    if engine.cache.prefix is not None:
+        assert engine.scheduler.prefix_stats["hits"] > 0
 
 
 def test_planned_decode_shapes_cover_early_stops(model, recorded):
