@@ -207,8 +207,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids: id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
         params.check_vocabulary(self.config.vocab_size)
-        if params.cache_ttl_class is not None and self.engine_config.prefix_cache is not None:
-            self.engine_config.prefix_cache.ttl(params.cache_ttl_class)
+        if params.cache_ttl_class is not None:  # a known class, even where nothing is cached
+            (self.engine_config.prefix_cache or PrefixCacheConfig()).ttl(params.cache_ttl_class)
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs: at most {MAX_LOGPROBS} alternatives are supported, got {params.logprobs}")
         sampling_state.check_capacity(params, eos_token_id=self.config.eos_token_id,

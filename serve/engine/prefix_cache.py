@@ -65,7 +65,7 @@ class PrefixCacheConfig:
         for name, seconds in self.ttl_seconds:
             if name == ttl_class:
                 return seconds
-        raise ValueError(f"cache_ttl_class must be one of {[n for n, _ in self.ttl_seconds]}, got {ttl_class!r}")
+        raise ValueError(f"cache_ttl_class: must be one of {[n for n, _ in self.ttl_seconds]}, got {ttl_class!r}")
 
     def replay_tokens(self, sliding_window: int, num_layers: int) -> int:
         """Tokens recomputed below a hit to rebuild the per-sequence state."""

@@ -199,6 +199,7 @@ def sampling_params_from_proto(sp: pb.SamplingParams, request: pb.GenerateReques
         detokenize=sp.detokenize if sp.HasField("detokenize") else True,
         logit_bias=bias or None,
         structured_outputs=constraint,
+        cache_ttl_class=sp.cache_ttl_class if sp.HasField("cache_ttl_class") else None,
     )
     try:
         return SamplingParams(**kwargs)

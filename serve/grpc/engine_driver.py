@@ -47,11 +47,13 @@ def _as_loaded(value: Any) -> LoadedModel:
     raise TypeError(f"expected an LLMEngine or a LoadedModel, got {type(value).__name__}")
 
 
-# a structured-output spec the engine could not compile, named by the request's proto field
+# a field the engine refused (a structured-output spec it could not compile, a TTL class it does
+# not know), named by the request's proto field
 _CONSTRAINT_FIELDS = {"structured_outputs.json": "sampling_params.json_schema",
                       "structured_outputs.regex": "sampling_params.regex",
                       "structured_outputs.grammar": "sampling_params.ebnf_grammar",
-                      "structured_outputs.choice": "sampling_params.choice"}
+                      "structured_outputs.choice": "sampling_params.choice",
+                      "cache_ttl_class": "sampling_params.cache_ttl_class"}
 
 
 def _proto_field_names(message: str) -> str:

@@ -498,6 +498,7 @@ def _bad_cases(vocab: int):
         ("json_schema of an unknown type", sp(json_schema='{"type": "strin"}'), "sampling_params.json_schema"),
         ("structural_tag", sp(structural_tag="{}"), "sampling_params.structural_tag"),
         ("stream_interval 0", sp(stream_interval=0), "sampling_params.stream_interval"),
+        ("unknown cache TTL class", sp(cache_ttl_class="weekly"), "sampling_params.cache_ttl_class"),
         ("too many logprobs", top(50), "top_logprobs_num"),
         ("no input", set_input("none", None), "input"),
         ("empty token ids", set_input("tokenized", []), "tokenized.input_ids"),

@@ -102,7 +102,7 @@ def test_ttl_classes_agent_expires_before_chat_and_none_is_not_kept():
     assert cache.pages.cached == 2  # the expired pages went back to the free list
     clock.now += 4 * DAY
     assert cache.find_prefix(chat).hit is None and cache.pages.cached == 0 and cache.pages.free == 8
-    with pytest.raises(ValueError, match="cache_ttl_class must be one of"):
+    with pytest.raises(ValueError, match="cache_ttl_class: must be one of"):
         cache.prefix.ttl("weekly")
 
 
