@@ -106,7 +106,7 @@ class _Entry:
 
 class PrefixIndex:
     """One data-parallel rank's published pages: key -> page, and the pages no sequence holds
-    (evictable, by deadline). Reference counts are the page pool's (`cache.PagePool`)."""
+    (evictable, by deadline). Reference counts are the allocator's (`cache.PageAllocator`)."""
 
     def __init__(self, clock: Callable[[], float]):
         self.clock = clock
