@@ -143,14 +143,16 @@ def wait_released(srv, timeout=15.0):
 
 
 @contextlib.contextmanager
-def slow_steps(srv, delay: float):
-    """Make every engine step take at least `delay` seconds (keeps streams in flight)."""
+def slow_steps(srv, delay: float, hold: threading.Event | None = None):
+    """Make every engine step take at least `delay` seconds (keeps streams in flight); while
+    `hold` is set the engine takes no step at all (requests are still added and refused between
+    steps), so a stream in flight stays in flight however slowly the machine sends the others."""
     engine = srv.server.engine
     original = engine.step
 
     def slow():
         time.sleep(delay)
-        return original()
+        return [] if hold is not None and hold.is_set() else original()
 
     engine.step = slow
     try:
@@ -548,10 +550,12 @@ def test_malformed_requests_get_invalid_argument_and_leave_a_good_stream_alone(s
                                         response_deserializer=pb.GenerateResponse.FromString)
     bad_utf8 = bytes([0x92, 0x01, 0x03]) + b"\xff\xfeA"  # field 18 (text), 3 bytes of invalid UTF-8
 
-    with slow_steps(server, 0.02):
+    hold = threading.Event()
+    with slow_steps(server, 0.02, hold):
         worker = threading.Thread(target=good_stream)
         worker.start()
-        time.sleep(0.3)  # the good stream is in flight
+        time.sleep(0.3)  # the good stream is in flight (40 tokens need at least 0.8 s)
+        hold.set()
         sent_until = None
         for label, mutate, field in cases:
             req = _good_base(prompt_ids(8, 6))
@@ -572,6 +576,7 @@ def test_malformed_requests_get_invalid_argument_and_leave_a_good_stream_alone(s
             list(raw_generate(bad_utf8, timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("request:")
         sent_until = time.monotonic()
+        hold.clear()
         worker.join(120)
     assert result["done_at"] > sent_until, "the bad requests must overlap the good stream"
     chunks, complete, error = result["out"]
@@ -660,10 +665,12 @@ def test_fuzzed_requests_get_clean_statuses_and_the_server_keeps_serving(server,
     cases = _fuzz_cases(random.Random(1234), model[0].vocab_size)
     assert len(cases) > 250
     codes = {}
-    with slow_steps(server, 0.02):
+    hold = threading.Event()
+    with slow_steps(server, 0.02, hold):
         worker = threading.Thread(target=good_stream)
         worker.start()
-        time.sleep(0.3)
+        time.sleep(0.3)  # the good stream is in flight (40 tokens need at least 0.8 s)
+        hold.set()
         for label, method, data, fields in cases:
             started = time.monotonic()
             try:
@@ -684,6 +691,7 @@ def test_fuzzed_requests_get_clean_statuses_and_the_server_keeps_serving(server,
                 assert details.split(":")[0] in fields, (label, details[:200])
                 assert len(details) < 2000, (label, "the details echo the input")
         sent_until = time.monotonic()
+        hold.clear()
         worker.join(120)
     assert codes[grpc.StatusCode.INVALID_ARGUMENT] > 200 and set(codes) <= {grpc.StatusCode.OK,
                                                                              grpc.StatusCode.INVALID_ARGUMENT}
