@@ -282,9 +282,8 @@ class LLMEngine:
         when it is on."""
         out = {} if self.spec_counts is None else self.spec_counts.metrics()
         if self.cache.prefix is not None:
-            out["vllm:prefix_cache_queries"] = self.scheduler.prefix_stats["queries"]
-            out["vllm:prefix_cache_hits"] = self.scheduler.prefix_stats["hits"]
             stats = self.scheduler.prefix_stats
+            out["vllm:prefix_cache_queries"], out["vllm:prefix_cache_hits"] = stats["queries"], stats["hits"]
             out["deepinfer:prefix_cache_hits_by_tier"] = {
                 "device": stats["hits"] - stats["hits_host"] - stats["hits_disk"],
                 "host": stats["hits_host"], "disk": stats["hits_disk"]}
@@ -361,7 +360,7 @@ class LLMEngine:
             for i, (request, n) in enumerate(group):
                 request.computed += n
                 self.stats["prompt_tokens"] += n
-                self._publish(request)
+                self.scheduler.publish(request)
                 if request.to_feed == 0:
                     sampled.append(self._sampled(request, out, i))
         if plan.decode and self.speculative is None:
@@ -371,21 +370,15 @@ class LLMEngine:
                 deferred = self.runner.run_split(work, self.cache.page_table)
                 for request in plan.decode:
                     request.computed += 1
-                    self._publish(request)
+                    self.scheduler.publish(request)
                 return sampled, deferred
             out = self.runner.run(work, self.cache.page_table, rows=self.cache.layout.slots_per_rank, tokens=1,
                                   sample=self._step_sampling(plan.decode), defer=True)
             for i, request in enumerate(plan.decode):
                 request.computed += 1
-                self._publish(request)
+                self.scheduler.publish(request)
                 sampled.append(self._sampled(request, out, i))
         return sampled, None
-
-    def _publish(self, request: Request) -> None:
-        """Offer the request's newly computed full pages to the prefix cache. Pages are named
-        once the step that writes them is dispatched: a later step that reads them runs after it."""
-        if self.cache.prefix is not None and request.slot is not None:
-            self.cache.publish(request.slot, min(request.computed, request.known), request.ids)
 
     def _replay_tokens(self) -> int:
         prefix = self.engine_config.prefix_cache
@@ -586,7 +579,7 @@ class LLMEngine:
         for i, request in enumerate(requests):
             accepted, count = int(out.accepted[i]), int(out.count[i])
             request.computed += 1 + accepted  # the anchor and the accepted drafts are in the cache
-            self._publish(request)
+            self.scheduler.publish(request)
             self.spec_counts.record(request.lookahead, accepted)
             if request.lookahead:
                 gained = [(int(t), None) for t in out.tokens[i, :count]]

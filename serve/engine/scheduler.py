@@ -201,6 +201,13 @@ class Scheduler:
             self.running.append(request)
             plan.admitted.append(request)
 
+    def publish(self, request: Request) -> None:
+        """Offer the request's newly computed full pages to the prefix cache (the engine, and the
+        warm-up's dry run, after each step they dispatch). Pages are named once the step that
+        writes them is dispatched: a later step that reads them runs after it."""
+        if self.cache.prefix is not None and request.slot is not None:
+            self.cache.publish(request.slot, min(request.computed, request.known), request.ids)
+
     def _lookup(self, request: Request):
         """The prefix cache's answer for `request`'s full pages before its last token (which
         must be computed to sample), None without a prefix cache."""

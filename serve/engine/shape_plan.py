@@ -69,12 +69,6 @@ def _decode_buckets(requests, layout, max_len: int) -> dict[bool, set[int]]:
     return buckets
 
 
-def _publish(cache, request) -> None:
-    """As `LLMEngine._publish`: later admissions of the dry run hit what it computed."""
-    if cache.prefix is not None:
-        cache.publish(request.slot, min(request.computed, request.known), request.ids)
-
-
 def planned_shapes(engine, max_steps: int = 20_000) -> list[StepShape]:
     """The shapes of the steps that run the engine's current requests to their end (see the
     module docstring), in the order they first occur. The engine is not changed. A dry run that
@@ -110,12 +104,12 @@ def planned_shapes(engine, max_steps: int = 20_000) -> list[StepShape]:
                              logprobs=step.decoder and _wants_logprobs(emitting))] = None
             for r, n in step.chunks:
                 r.computed += n
-                _publish(cache, r)
+                scheduler.publish(r)
                 if r.to_feed == 0:
                     sampled.append(r)
         for r in plan.decode:
             r.computed += 1
-            _publish(cache, r)
+            scheduler.publish(r)
         for r in sampled:
             r.output_ids.append(0)
             if r.length >= _final_length(r, max_len):
