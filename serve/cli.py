@@ -13,7 +13,7 @@ Subcommands:
         the checksum manifest, NaN/Inf weights and scales; one line per problem, exit 1 if any.
     deepinfer generate [--model DIR_OR_PRESET] (--prompt TEXT ... | --chat TEXT) [--max-tokens N] ...
         Generate with the offline engine (`LLM.generate` / `LLM.chat`); print the text and the
-        engine's tokens/s. Without --model: the embedded tiny-v4.1 (random weights).
+        engine's tokens/s. Without --model: the embedded tiny-v4.1-trained.
     deepinfer run-batch -i IN.jsonl -o OUT.jsonl [--model DIR_OR_PRESET] [--port N] [--resume] [--fail-on-error]
         Run an OpenAI batch JSONL file (chat and text completions), like `vllm run-batch`;
         --port serves Prometheus metrics while it runs; --resume skips the lines the output file
@@ -287,7 +287,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _make_llm(args: argparse.Namespace, **extra: Any):
-    """Build the `LLM` for --model (default: the embedded tiny-v4.1); bad input -> CliError."""
+    """Build the `LLM` for --model (default: the embedded tiny-v4.1-trained); bad input -> CliError."""
     settings = engine_settings(args)
     check_model_arg(args)
     _start_distributed(args)
@@ -300,10 +300,10 @@ def _make_llm(args: argparse.Namespace, **extra: Any):
 
 
 def _describe_model(llm) -> str:
-    from deepinfer.serve.api.llm import DEFAULT_MODEL, TRAINED_MODEL
+    from deepinfer.serve.api.llm import RANDOM_MODEL, TRAINED_MODEL
 
-    if llm.model_name == DEFAULT_MODEL:
-        return f"{DEFAULT_MODEL} (embedded, random weights; checkpoint {llm.model_dir})"
+    if llm.model_name == RANDOM_MODEL:
+        return f"{RANDOM_MODEL} (embedded, random weights; checkpoint {llm.model_dir})"
     if llm.model_name == TRAINED_MODEL:
         return f"{TRAINED_MODEL} (embedded, trained on the Python standard library; checkpoint {llm.model_dir})"
     return f"{llm.model_name} (checkpoint {llm.model_dir})"

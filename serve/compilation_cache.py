@@ -27,7 +27,7 @@ MIN_COMPILE_SECONDS = 0.5
 
 
 def default_compilation_cache_dir() -> str:
-    """`~/.cache/deepinfer/xla`, next to the embedded default checkpoint."""
+    """`~/.cache/deepinfer/xla`, next to the embedded checkpoints."""
     return os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", "xla")
 
 

@@ -195,8 +195,8 @@ def check_model_arg(args: argparse.Namespace) -> None:
 
 def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
     p.add_argument("--model", default=None, metavar="DIR_OR_PRESET",
-                   help="checkpoint directory (official or orbax), tiny-v4.1-trained (the embedded tiny model "
-                        "trained on the Python standard library) or tiny-v4.1 (default: the embedded tiny-v4.1 "
+                   help="checkpoint directory (official or orbax), tiny-v4.1-trained (the default: the "
+                        "embedded tiny model trained on the Python standard library) or tiny-v4.1 (the same "
                         "with random weights); embedded ones are written once under ~/.cache/deepinfer")
     p.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="a tokenizer.json to use instead of the pinned DeepSeek-V4 one")

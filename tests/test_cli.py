@@ -269,9 +269,11 @@ def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monke
     code, out, err = run(capsys, "generate", "--prompt", "The capital of France is", "Hello",
                          "--max-tokens", "3", "--temperature", "0", *SMALL_ENGINE)
     assert code == 0, err
-    checkpoint = home / ".cache" / "deepinfer" / "tiny-v4.1-seed0"
+    from deepinfer.serve.api.llm import trained_weights
+
+    checkpoint = home / ".cache" / "deepinfer" / f"tiny-v4.1-trained-{trained_weights()['sha256'][:12]}"
     assert (checkpoint / "config.json").is_file()
-    assert f"tiny-v4.1 (embedded, random weights; checkpoint {checkpoint})" in out
+    assert f"tiny-v4.1-trained (embedded, trained on the Python standard library; checkpoint {checkpoint})" in out
     assert "prefill full (keep 150)" in out  # the environment's defaults reached the engine
     assert "--- prompt 0: 'The capital of France is' (6 tokens)" in out
     assert "--- prompt 1: 'Hello' (2 tokens)" in out

@@ -2,17 +2,21 @@
 
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM()  # the embedded tiny-v4.1 (random weights), or LLM("/path/to/checkpoint")
-    outs = llm.generate(["The capital of France is", [0, 791, 6102]], SamplingParams(max_tokens=8))
+    llm = LLM()  # the embedded tiny-v4.1-trained, or LLM("/path/to/checkpoint")
+    outs = llm.generate(["def fib(n):", [0, 791, 6102]], SamplingParams(max_tokens=8))
     chat = llm.chat([{"role": "user", "content": "Hi"}], chat_template_kwargs={"thinking": False})
 
 What it adds on top of `LLMEngine`:
 
 * model resolution: a checkpoint directory (official safetensors or orbax; `load_checkpoint`), or
-  the embedded default. `model=None` (or `"tiny-v4.1"`) means the tiny preset with random weights,
-  written once as a real official-format checkpoint (seed 0, float32) into a cache directory
-  (`~/.cache/deepinfer/tiny-v4.1-seed0` unless `cache_dir` says otherwise) and loaded from there.
-  The write goes to a temporary directory renamed into place, so concurrent processes are safe.
+  an embedded tiny model, written once as a real official-format checkpoint into a cache
+  directory and loaded from there. `model=None` (or `"tiny-v4.1-trained"`) is the default: the
+  tiny-v4.1 architecture trained on the Python standard library, rebuilt from the compact pack in
+  `model/weights/` (its SHA-256 checked) into `~/.cache/deepinfer/tiny-v4.1-trained-<sha12>`.
+  `"tiny-v4.1"` is the same architecture with random weights (seed 0, float32;
+  `~/.cache/deepinfer/tiny-v4.1-seed0`), what tests compare against `init_params`. `cache_dir`
+  puts either elsewhere. The write goes to a temporary directory renamed into place, so
+  concurrent processes are safe.
   Other presets have no weights here and are rejected; so is a DeepSeek-V4 model (the engine
   serves V4.1; V4 runs only the full forward pass, `deepinfer forward`).
 * prompts in vLLM's forms, validated before any work: one bad prompt fails the whole call with
@@ -72,15 +76,18 @@ from deepinfer.serve.text.chat import (
     prepare_chat,
 )
 
-__all__ = ["DEFAULT_MODEL", "TRAINED_MODEL", "LLM", "ensure_trained_checkpoint", "PREFILL_MODES", "default_cache_dir", "ensure_default_checkpoint", "parse_chat_completion"]
+__all__ = ["DEFAULT_MODEL", "LLM", "PREFILL_MODES", "RANDOM_MODEL", "TRAINED_MODEL", "ensure_random_checkpoint",
+           "ensure_trained_checkpoint", "parse_chat_completion"]
 
 log = logging.getLogger("deepinfer.llm")
 
-DEFAULT_MODEL = "tiny-v4.1"
-DEFAULT_WEIGHT_SEED = 0
 # tiny-v4.1 trained on the Python standard library (`scripts/train_tiny.py`), shipped compactly
-# in `model/weights/` (`model/compact_weights.py`)
+# in `model/weights/` (`model/compact_weights.py`): what `LLM()` and the commands load by default
 TRAINED_MODEL = "tiny-v4.1-trained"
+DEFAULT_MODEL = TRAINED_MODEL
+# the same architecture with random weights (seed 0): the tests' reference model
+RANDOM_MODEL = "tiny-v4.1"
+RANDOM_WEIGHT_SEED = 0
 CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_format")
 _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
@@ -91,13 +98,12 @@ _KNOWN_ARGS = (
 )
 
 
-# ---- the embedded default checkpoint --------------------------------------------------------
+# ---- the embedded checkpoints -----------------------------------------------------------------
 
 
-def default_cache_dir() -> str:
-    """Where the embedded default checkpoint lives unless `cache_dir` is given."""
-    return os.path.join(os.path.expanduser("~"), ".cache", "deepinfer",
-                        f"{DEFAULT_MODEL}-seed{DEFAULT_WEIGHT_SEED}")
+def _embedded_dir(name: str) -> str:
+    """Where an embedded checkpoint lives unless `cache_dir` is given."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", name)
 
 
 def _is_complete(directory: str) -> bool:
@@ -128,27 +134,29 @@ def ensure_trained_checkpoint(cache_dir: str | os.PathLike | None = None) -> tup
 
     info = trained_weights()
     if cache_dir is None:
-        cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", f"{TRAINED_MODEL}-{info['sha256'][:12]}")
+        cache_dir = _embedded_dir(f"{TRAINED_MODEL}-{info['sha256'][:12]}")
     config = config_from_dict(info["config"], name=TRAINED_MODEL)
     return _materialize(cache_dir, lambda tmp: write_checkpoint_from_pack(info["path"], config, info["seed"], tmp,
                                                                           info["sha256"]),
                         f"trained {TRAINED_MODEL}")
 
 
-def ensure_default_checkpoint(cache_dir: str | os.PathLike | None = None) -> tuple[str, bool]:
-    """Make sure the embedded default checkpoint exists; returns `(directory, written_now)`.
+def ensure_random_checkpoint(cache_dir: str | os.PathLike | None = None) -> tuple[str, bool]:
+    """Make sure the embedded random-weight checkpoint exists; returns `(directory, written_now)`.
 
     The tiny-v4.1 preset with random weights (seed 0, float32) is written in the official format
-    to a temporary sibling directory and renamed onto `cache_dir`; when another process wins the
-    race, its copy is kept and ours is discarded. A non-empty `cache_dir` that is not a complete
-    checkpoint is an error (delete it to have it rewritten).
+    to a temporary sibling directory and renamed onto `cache_dir` (default
+    `~/.cache/deepinfer/tiny-v4.1-seed0`); when another process wins the race, its copy is kept
+    and ours is discarded. A non-empty `cache_dir` that is not a complete checkpoint is an error
+    (delete it to have it rewritten).
     """
     def write(tmp: str) -> None:
-        config = load_config(DEFAULT_MODEL, dtype="float32")
-        write_checkpoint(init_params(config, DEFAULT_WEIGHT_SEED), config, tmp)
+        config = load_config(RANDOM_MODEL, dtype="float32")
+        write_checkpoint(init_params(config, RANDOM_WEIGHT_SEED), config, tmp)
 
-    return _materialize(cache_dir if cache_dir is not None else default_cache_dir(), write,
-                        f"{DEFAULT_MODEL} (random weights, seed {DEFAULT_WEIGHT_SEED})")
+    if cache_dir is None:
+        cache_dir = _embedded_dir(f"{RANDOM_MODEL}-seed{RANDOM_WEIGHT_SEED}")
+    return _materialize(cache_dir, write, f"{RANDOM_MODEL} (random weights, seed {RANDOM_WEIGHT_SEED})")
 
 
 def _materialize(cache_dir: str | os.PathLike, write, what: str) -> tuple[str, bool]:
@@ -293,8 +301,9 @@ class LLM:
     """An offline engine over one model, with vLLM's `generate` / `chat` API.
 
     Args:
-        model: a checkpoint directory (official or orbax format), or None / "tiny-v4.1" for the
-            embedded default (see the module docstring).
+        model: a checkpoint directory (official or orbax format), None / "tiny-v4.1-trained" for
+            the embedded trained tiny model (the default), or "tiny-v4.1" for the same architecture
+            with random weights (see the module docstring).
         tokenizer: None (the pinned DeepSeek-V4 tokenizer), a path to a `tokenizer.json` (loaded
             without the pin check), or a loaded `tokenizers.Tokenizer`.
         seed: seed of the engine's sampling RNG (requests without their own `seed`).
@@ -325,7 +334,7 @@ class LLM:
             the device are kept in host memory (at most this many) and, with a directory, in
             checksummed files there that outlive the process (one device only).
         log_stats_interval: seconds between the periodic stats log lines (None: never).
-        cache_dir: where the embedded default checkpoint is written / read.
+        cache_dir: where an embedded model's checkpoint is written / read.
         mesh: run on many devices: a `jax.sharding.Mesh` with axes ("dp", "cp", "tp"), a spec
             such as "dp=2,cp=2,tp=1" or a dict of axis sizes over all devices (a missing dp takes
             the devices left), or "auto" (every device on dp). None: one device. Each sequence
@@ -493,22 +502,22 @@ class LLM:
 
     @staticmethod
     def _resolve_model(model, cache_dir) -> tuple[str, str]:
-        if model is None or str(model) == DEFAULT_MODEL:
-            directory, _ = ensure_default_checkpoint(cache_dir)
-            return directory, DEFAULT_MODEL
-        if str(model) == TRAINED_MODEL:
+        if model is None or str(model) == TRAINED_MODEL:
             directory, _ = ensure_trained_checkpoint(cache_dir)
             return directory, TRAINED_MODEL
+        if str(model) == RANDOM_MODEL:
+            directory, _ = ensure_random_checkpoint(cache_dir)
+            return directory, RANDOM_MODEL
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model: must be a checkpoint directory or a preset name, got {type(model).__name__}")
         path = os.fspath(model)
         if os.path.isdir(path):
             return os.path.abspath(path), path
+        embedded = f"{TRAINED_MODEL!r} and {RANDOM_MODEL!r} (random weights)"
         if path in PRESETS:
-            raise ValueError(f"model: preset {path!r} has no weights here; only {DEFAULT_MODEL!r} is embedded "
-                             "(random weights). Pass a checkpoint directory")
-        raise ValueError(f"model: {path!r} is neither a checkpoint directory nor the embedded preset "
-                         f"{DEFAULT_MODEL!r}")
+            raise ValueError(f"model: preset {path!r} has no weights here; only {embedded} are embedded. "
+                             "Pass a checkpoint directory")
+        raise ValueError(f"model: {path!r} is neither a checkpoint directory nor an embedded model ({embedded})")
 
     @staticmethod
     def _load_tokenizer(tokenizer: Any):

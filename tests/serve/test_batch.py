@@ -18,8 +18,8 @@ COMPLETIONS = "/v1/completions"
 def llm(tmp_path_factory):
     from deepinfer import LLM
 
-    # named like the embedded default, so its compiled steps are shared with test_llm.py in one process
-    return LLM(cache_dir=tmp_path_factory.mktemp("batch") / "tiny-v4.1-seed0", **SMALL)
+    # named like the embedded random model, so its compiled steps are shared with test_llm.py in one process
+    return LLM("tiny-v4.1", cache_dir=tmp_path_factory.mktemp("batch") / "tiny-v4.1-seed0", **SMALL)
 
 
 def line(custom_id, url, body, method="POST") -> str:

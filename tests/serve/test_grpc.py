@@ -1032,7 +1032,8 @@ def test_serve_command_serves_and_drains_on_sigterm(tmp_path):
         [sys.executable, "-c", script, "serve", "--port", "0", "--auth-token-file", str(token_file), "--no-warmup",
          "--max-model-len", "256", "--max-num-seqs", "2", "--page-size", "64", "--prefill-chunk", "128",
          "--served-model-name", "cli-test", "--metrics-port", "0"],
-        stdout=subprocess.PIPE, stderr=stderr, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        stdout=subprocess.PIPE, stderr=stderr, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path)})  # the embedded model is written there
     try:
         line = proc.stdout.readline()
         assert "listening on 127.0.0.1:" in line, (line, (tmp_path / "stderr.log").read_text())

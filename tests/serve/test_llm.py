@@ -1,9 +1,10 @@
-"""`LLM`: the embedded default checkpoint, prompt forms, fidelity to the full forward, seeded
+"""`LLM`: the embedded random-weight checkpoint, prompt forms, fidelity to the full forward, seeded
 sampling in batches, vLLM's finish/stop reasons, chat encoding and parsing, metrics and logs.
 
 One module-scoped `LLM` with a small cache budget serves most tests, so each step shape compiles
-once. Its checkpoint directory is named like the embedded default's, so the config (a static jit
-argument that includes the name) is the same in every test module of this process.
+once. It is the embedded tiny-v4.1 (random weights, `init_params` seed 0) in a directory named like
+the embedded one's, so the config (a static jit argument that includes the name) is the same in
+every test module of this process.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def cache_dir(tmp_path_factory):
 def llm(cache_dir):
     from deepinfer import LLM
 
-    return LLM(cache_dir=cache_dir, **SMALL)
+    return LLM("tiny-v4.1", cache_dir=cache_dir, **SMALL)
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -57,7 +58,7 @@ def test_root_package_exports_are_lazy():
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
-def test_embedded_default_is_written_once(llm, cache_dir, monkeypatch):
+def test_embedded_random_model_is_written_once(llm, cache_dir, monkeypatch):
     import deepinfer.serve.api.llm as llm_module
     from deepinfer import LLM
     from deepinfer.model.checkpoint import INDEX_FILE
@@ -74,9 +75,9 @@ def test_embedded_default_is_written_once(llm, cache_dir, monkeypatch):
         raise AssertionError("the embedded checkpoint was written twice")
 
     monkeypatch.setattr(llm_module, "write_checkpoint", fail)
-    again = LLM(cache_dir=cache_dir, **SMALL)
+    again = LLM("tiny-v4.1", cache_dir=cache_dir, **SMALL)
     assert again.model_dir == llm.model_dir
-    assert llm_module.ensure_default_checkpoint(cache_dir) == (str(cache_dir), False)
+    assert llm_module.ensure_random_checkpoint(cache_dir) == (str(cache_dir), False)
 
 
 def test_bad_cache_dir_and_models_are_rejected(tmp_path):
@@ -86,7 +87,7 @@ def test_bad_cache_dir_and_models_are_rejected(tmp_path):
     junk.mkdir()
     (junk / "file.txt").write_text("x")
     with pytest.raises(ValueError, match="cache_dir"):
-        LLM(cache_dir=junk, **SMALL)
+        LLM("tiny-v4.1", cache_dir=junk, **SMALL)
     with pytest.raises(ValueError, match="no weights"):
         LLM("deepseek-v4.1-flash", **SMALL)
     with pytest.raises(ValueError, match="neither a checkpoint directory"):
@@ -108,21 +109,21 @@ def test_unknown_argument_and_bad_settings_name_the_field(cache_dir):
     from deepinfer import LLM
 
     with pytest.raises(ValueError, match=r"^gpu_memory_utilisation: unknown LLM argument"):
-        LLM(cache_dir=cache_dir, gpu_memory_utilisation=0.9)
+        LLM("tiny-v4.1", cache_dir=cache_dir, gpu_memory_utilisation=0.9)
     with pytest.raises(ValueError, match="prefill_mode"):
-        LLM(cache_dir=cache_dir, prefill_mode="sparse")
+        LLM("tiny-v4.1", cache_dir=cache_dir, prefill_mode="sparse")
     with pytest.raises(ValueError, match=r"keep_tokens: .*sliding window \(128\)"):
-        LLM(cache_dir=cache_dir, keep_tokens=100)
+        LLM("tiny-v4.1", cache_dir=cache_dir, keep_tokens=100)
     with pytest.raises(ValueError, match="prefill_chunk"):
-        LLM(cache_dir=cache_dir, prefill_chunk=100)
+        LLM("tiny-v4.1", cache_dir=cache_dir, prefill_chunk=100)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(100\).*at least 135"):
-        LLM(cache_dir=cache_dir, max_num_batched_tokens=100)
+        LLM("tiny-v4.1", cache_dir=cache_dir, max_num_batched_tokens=100)
 
 
 def test_prefill_settings_reach_the_engine(cache_dir):
     from deepinfer import LLM
 
-    other = LLM(cache_dir=cache_dir, **{**SMALL, "prefill_mode": "compact"}, keep_tokens=150,
+    other = LLM("tiny-v4.1", cache_dir=cache_dir, **{**SMALL, "prefill_mode": "compact"}, keep_tokens=150,
                 max_num_batched_tokens=1024)
     assert other.engine.engine_config.prefill_mode == "compact"
     assert other.engine.scheduler.max_num_batched_tokens == 1024
@@ -283,7 +284,7 @@ def llm41(llm, cache_dir):
     for token in spec["added_tokens"]:
         if token["id"] == SYSTEM_STANDIN_ID:
             token.update(content="<｜System｜>", special=False)
-    return LLM(cache_dir=cache_dir, tokenizer=tokenizers.Tokenizer.from_str(json.dumps(spec)), **SMALL)
+    return LLM("tiny-v4.1", cache_dir=cache_dir, tokenizer=tokenizers.Tokenizer.from_str(json.dumps(spec)), **SMALL)
 
 
 def test_chat_thinking_mode_encodes_and_parses_reasoning(llm, llm41):
@@ -391,7 +392,7 @@ def test_a_call_compiles_before_its_first_step_at_the_defaults(cache_dir, monkey
 
     from deepinfer import LLM
 
-    llm = LLM(cache_dir=cache_dir, max_num_seqs=4, max_model_len=2048)
+    llm = LLM("tiny-v4.1", cache_dir=cache_dir, max_num_seqs=4, max_model_len=2048)
     during, in_step = [], [False]
     step = llm.engine.step
 

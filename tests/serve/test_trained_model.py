@@ -1,5 +1,6 @@
-"""The shipped trained tiny model (`model/weights/`, `model/compact_weights.py`): it is small, its
-checksum is checked when it is materialised, and it greedy-completes a fixed prompt to the
+"""The shipped trained tiny model (`model/weights/`, `model/compact_weights.py`), the embedded
+default of `LLM()` and the commands: it is small, its checksum is checked when it is materialised,
+and it greedy-completes a fixed prompt to the
 continuation recorded when it was shipped.
 
 Flip-aware: another CPU may round a fake-quant site the other way and change a near-tie; the
@@ -34,8 +35,8 @@ def test_the_shipped_pack_is_small_and_described():
 
 
 @pytest.mark.slow
-def test_the_trained_model_completes_a_fixed_prompt(tmp_path):
-    llm = LLM(TRAINED_MODEL, cache_dir=tmp_path / "trained", **SMALL)
+def test_the_default_model_is_the_trained_one_and_completes_a_fixed_prompt(tmp_path):
+    llm = LLM(cache_dir=tmp_path / "trained", **SMALL)
     assert llm.model_name == TRAINED_MODEL
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=len(EXPECTED)), use_tqdm=False)[0]
     got = out.outputs[0].token_ids
