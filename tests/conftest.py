@@ -47,20 +47,6 @@ def _bounded_compiled_programs():
         jax.clear_caches()
 
 
-# The longest modules (minutes each on 2 cores, mostly XLA compilation), started first: with
-# `--dist worksteal` the two workers then finish together instead of one running the last long
-# module alone.
-LONGEST_FIRST = ("tests/serve/test_deterministic.py", "tests/sharding/test_engine_mesh.py",
-                 "tests/serve/test_structured_output.py", "tests/serve/test_engine.py", "tests/serve/test_steps.py",
-                 "tests/serve/test_compact_prefill.py", "tests/serve/test_speculative.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Run `LONGEST_FIRST` before the rest (a stable sort: the same order in every worker)."""
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
-
-
 def pytest_sessionfinish(session, exitstatus):
     """The process that made this run's compilation cache removes it."""
     if _OWNS_RUN_CACHE and "PYTEST_XDIST_WORKER" not in os.environ:
