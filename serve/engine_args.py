@@ -239,8 +239,9 @@ def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
                    help="also keep evicted prefix-cache pages as checksummed files in DIR, for restarts")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='DSpark speculative decoding with the checkpoint\'s drafter, e.g. \'{"method": "dspark", '
-                        '"num_speculative_tokens": 5}\' (greedy requests verify that many drafts per step; '
-                        'default: off)')
+                        '"num_speculative_tokens": 5}\' (requests verify that many drafts per step; add '
+                        '"enable_adaptive_verification": true to verify as many, at most that, as the drafter\'s '
+                        'confidences and the measured step cost make worthwhile; default: off)')
     add_compilation_cache_options(p, env)
     p.add_argument("--mesh", default=env.mesh, metavar="SPEC",
                    help="run on a device mesh, e.g. dp=2,cp=2,tp=1 (axes dp, cp, tp; the product is the "

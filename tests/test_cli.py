@@ -440,8 +440,9 @@ def test_speculative_config_option_is_checked_by_name():
         settings("{method: dspark}")
     with pytest.raises(CliError, match=r"--speculative-config\.k: unknown key"):
         settings('{"k": 3}')
-    with pytest.raises(CliError, match=r"enable_adaptive_verification: confidence-scheduled .* not built yet"):
-        settings('{"enable_adaptive_verification": true}')
+    assert settings('{"enable_adaptive_verification": true}') == {"enable_adaptive_verification": True}
+    with pytest.raises(CliError, match="enable_adaptive_verification must be true or false"):
+        settings('{"enable_adaptive_verification": 1}')
     with pytest.raises(CliError, match="num_speculative_tokens must be a positive integer"):
         settings('{"num_speculative_tokens": 0}')
     assert engine_settings(build_parser(EnvDefaults()).parse_args(

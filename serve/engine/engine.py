@@ -31,8 +31,10 @@ the previous step first instead.)
 DSpark speculative decoding (`EngineConfig.speculative`, `speculative.py`): the decodes run as one
 verify step in which the drafter proposes each request's next block, the target verifies it and
 the request gains the accepted drafts and one more token. The host only chooses how many drafts
-each request verifies (`Request.lookahead`, whose pages the scheduler reserves). Such an engine
-reads each step before planning the next.
+each request verifies: `num_speculative_tokens`, or with confidence-scheduled verification the
+step's width from the requests' earlier confidences (`verify_schedule.py`), at most its lookahead
+(`Request.lookahead`, whose pages the scheduler reserves). Such an engine reads each step before
+planning the next.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples
 from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.scheduler import GRANULE, Scheduler, prefill_passes
 from deepinfer.serve.engine.speculative import SpecDecodeCounts, SpeculativeConfig, speculatable
+from deepinfer.serve.engine.verify_schedule import VerifySchedule
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
 
@@ -102,6 +105,10 @@ class EngineConfig:
     # DSpark speculative decoding (`speculative.py`); None: off. It keeps the drafter's context
     # (whatever `drafter_context` says) and, for now, reads each step before planning the next
     speculative: SpeculativeConfig | None = None
+    # confidence-scheduled verification's step-cost curve: seconds of a verify step per width
+    # 0 .. num_speculative_tokens drafts per row, as an earlier engine of this configuration on this
+    # machine measured it (`engine.verify_schedule.step_seconds`); None: profiled at start
+    verify_step_seconds: tuple[float, ...] | None = None
     # batch-invariant inference (engine-features.md §3): a request's tokens and logprobs are the
     # same bits whatever else is in the batch, its row, and how its prompt was chunked; the step
     # computes every product in fixed tiles and each query's keys in one order
@@ -195,6 +202,28 @@ class LLMEngine:
         # a decode step can run as two programs (`runner.run_split`) where its masks need the
         # tokens in flight (asynchronous scheduling, one device, no speculative decoding)
         self._splits = self.async_scheduling and self.speculative is None and mesh is None
+        # confidence-scheduled verification: the verify step's cost per width, profiled now
+        # (dummy steps on the idle engine: `warmup.time_verify_widths`)
+        self.verify_schedule = None
+        if self.speculative is not None and self.speculative.enable_adaptive_verification:
+            from deepinfer.serve.engine.warmup import time_verify_widths
+
+            seconds = engine_config.verify_step_seconds
+            if seconds is None:
+                seconds = time_verify_widths(self)
+            elif len(seconds) != self.speculative.num_speculative_tokens + 1:
+                raise ValueError(f"verify_step_seconds: one cost per width 0 .. {self.speculative.num_speculative_tokens}"
+                                 f" ({self.speculative.num_speculative_tokens + 1} values), got {len(seconds)}")
+            log.info("verify step seconds by drafts per row: %s", ", ".join(f"{w}: {s:.4f}"
+                                                                            for w, s in enumerate(seconds)))
+            self.verify_schedule = VerifySchedule(seconds)
+
+    def verify_widths(self) -> list[int]:
+        """The drafts per row a verify step of this engine can check (its compiled widths)."""
+        if self.speculative is None:
+            return []
+        k = self.speculative.num_speculative_tokens
+        return list(range(k + 1)) if self.speculative.enable_adaptive_verification else [k]
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -562,26 +591,35 @@ class LLMEngine:
     def _verify(self, requests: list[Request]) -> list[Request]:
         """One DSpark verify step over the decoding requests (`speculative.py`), read at once:
         each gains its accepted drafts and one more token, checked against the stop rules token
-        by token (tokens after a stop are dropped). Returns the requests that finished."""
-        k = self.speculative.num_speculative_tokens
+        by token (tokens after a stop are dropped). Each checks `num_speculative_tokens` drafts,
+        or with confidence-scheduled verification the step's width W (`verify_schedule.py`),
+        fewer near its end (its lookahead). Returns the requests that finished."""
+        width = self.speculative.num_speculative_tokens
+        if self.verify_schedule is not None:
+            width = self.verify_schedule.width([r.confidence for r in requests], [r.lookahead for r in requests])
         work = [ChunkWork(r.slot, r.ids(r.length - 1, r.length), r.length - 1, self._lookback(r, r.length - 1), r.floor)
                 for r in requests]
-        host = []
-        for r in requests:  # host drafts (used once) may be fewer than its lookahead: verify those
+        num, host = [], []
+        for r in requests:  # host drafts (used once) may be fewer than it may verify: verify those
+            n = min(r.lookahead, width)
             if r.host_drafts is not None:
-                r.host_drafts = [int(t) for t in r.host_drafts[:r.lookahead]]
-                r.lookahead = len(r.host_drafts)
+                r.host_drafts = [int(t) for t in r.host_drafts[:n]]
+                n = len(r.host_drafts)
+            num.append(n)
             host.append(r.host_drafts)
             r.host_drafts = None
-        out = self.runner.verify(work, self.cache.page_table, [r.lookahead for r in requests], host, tokens=k + 1,
+        out = self.runner.verify(work, self.cache.page_table, num, host, tokens=width + 1,
                                  sample=self._step_sampling(requests))
-        finished = []
+        finished, observed = [], []
         for i, request in enumerate(requests):
             accepted, count = int(out.accepted[i]), int(out.count[i])
             request.computed += 1 + accepted  # the anchor and the accepted drafts are in the cache
             self.scheduler.publish(request)
-            self.spec_counts.record(request.lookahead, accepted)
-            if request.lookahead:
+            self.spec_counts.record(num[i], accepted)
+            if self.verify_schedule is not None and request.lookahead:
+                request.confidence = self.verify_schedule.observe(request.confidence, out.confidence[i])
+                observed.append(out.confidence[i])
+            if num[i]:
                 gained = [(int(t), None) for t in out.tokens[i, :count]]
             else:
                 gained = [(int(out.sampled.tokens[i]), _row(out.sampled, i))]
@@ -589,6 +627,8 @@ class LLMEngine:
                 if self._take(request, token, row):
                     finished.append(request)
                     break
+        if self.verify_schedule is not None:
+            self.verify_schedule.observe_step(observed)
         return finished
 
     def _decode_one(self, token: int) -> str:

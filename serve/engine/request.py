@@ -50,6 +50,9 @@ class Request:
     # the drafter's (tests' oracle drafts; used once)
     lookahead: int = 0
     host_drafts: list[int] | None = None
+    # confidence-scheduled verification: the moving average of its drafter's confidences per
+    # draft position (`verify_schedule.VerifySchedule.observe`); None before its first verify step
+    confidence: Any = None
     # structured output: the request's grammar state (`serve.structured.RequestConstraint`), or None
     constraint: Any = None
     text: str = ""

@@ -24,11 +24,11 @@ the host; padding after). The program
 A row with ℓ = 0 (a request that does not speculate) samples its one token with the plain
 sampler, exactly as a decode step does (same noise, logprobs when asked).
 
-What is built: fixed-k verification of greedy and sampled requests whose logits do not depend on
-the tokens before them in the block (`speculatable`: no penalties, no min_tokens bans left, no
-logprobs), synchronous, on one device. Not yet: per-position penalties and logprobs, the
-confidence-scheduled variable-length verification, overlap with asynchronous scheduling and the
-mesh step.
+What is built: fixed-k and confidence-scheduled verification (the host chooses the step's
+width from earlier steps' confidences: `verify_schedule.py`) of greedy and sampled requests whose
+logits do not depend on the tokens before them in the block (`speculatable`: no penalties, no
+min_tokens bans left, no logprobs), synchronous, on one device. Not yet: per-position penalties
+and logprobs, overlap with asynchronous scheduling and the mesh step.
 """
 
 from __future__ import annotations
@@ -55,27 +55,29 @@ from deepinfer.serve.engine.types import SamplingParams
 __all__ = ["DraftInputs", "SpecDecodeCounts", "SpeculativeConfig", "VerifyOutput", "speculatable", "verify_step"]
 
 METHODS = ("dspark",)
-# vLLM's keys that this engine does not do yet: refused by name rather than ignored
-NOT_BUILT = {
-    "enable_adaptive_verification": "confidence-scheduled variable-length verification is not built yet "
-                                    "(every request verifies num_speculative_tokens drafts)",
-}
+KEYS = ("method", "num_speculative_tokens", "enable_adaptive_verification")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` names: `method` ("dspark": the checkpoint's own drafter) and
+    """vLLM's `speculative_config` names: `method` ("dspark": the checkpoint's own drafter),
     `num_speculative_tokens` (drafts verified per request and step; DeepInfer's baseline 5, at
-    most the drafter's block)."""
+    most the drafter's block) and `enable_adaptive_verification` (DSpark's confidence-scheduled
+    verification: each step verifies the number of drafts, at most `num_speculative_tokens`,
+    that maximises the expected tokens per second, `verify_schedule.py`)."""
 
     method: str = "dspark"
     num_speculative_tokens: int = 5
+    enable_adaptive_verification: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
+        if not isinstance(self.enable_adaptive_verification, bool):
+            raise ValueError(f"enable_adaptive_verification must be true or false, "
+                             f"got {self.enable_adaptive_verification!r}")
 
     @classmethod
     def from_value(cls, value, name: str = "speculative_config") -> SpeculativeConfig | None:
@@ -87,10 +89,8 @@ class SpeculativeConfig:
             raise ValueError(f"{name}: must be a dict such as {{'method': 'dspark', 'num_speculative_tokens': 5}}, "
                              f"got {value!r}")
         for key in value:
-            if key in NOT_BUILT:
-                raise ValueError(f"{name}.{key}: {NOT_BUILT[key]}")
-            if key not in ("method", "num_speculative_tokens"):
-                raise ValueError(f"{name}.{key}: unknown key (known: method, num_speculative_tokens)")
+            if key not in KEYS:
+                raise ValueError(f"{name}.{key}: unknown key (known: {', '.join(KEYS)})")
         try:
             return cls(**value)
         except ValueError as e:
@@ -164,7 +164,9 @@ class VerifyOutput:
     its accepted drafts, then the correction or bonus token; a row without drafts one, its
     plain sample); `sampled`: the plain sampler's output for the anchor (with its logprobs when
     asked: what a row without drafts gained); `count [B]`; `accepted [B]`: drafts accepted;
-    `drafts [B, K]`: the drafts verified; `confidence [B, K]`: the drafter's confidences."""
+    `drafts [B, K]`: the drafts verified; `confidence [B, N]`: the drafter's confidences of its
+    whole block (N = `dspark_block_size`, whatever the step verified: what the host schedules
+    the next steps from)."""
 
     tokens: jax.Array
     sampled: SampleOutput
@@ -260,5 +262,5 @@ def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepB
         last_token=state.last_token.at[kept].set(next_token, mode="drop"),
         output_counts=state.output_counts.at[at, gained].add(1, mode="drop"))
     out = VerifyOutput(gained, first, count, jnp.where(drafting, accepted, 0).astype(jnp.int32), drafts,
-                       block["confidence"][:, :K])
+                       block["confidence"])
     return cache, state, out, counts

@@ -10,7 +10,8 @@ bucket waits for its compilation (tens of seconds for a real model), which looks
 `warm_up` runs each bucket once on dummy tokens instead, while the engine is idle.
 
 With speculative decoding on, the decode shapes run as DSpark verify steps (all slots x the
-anchor and its drafts), which is what such an engine's decodes are.
+anchor and its drafts), which is what such an engine's decodes are: one per width the engine
+verifies (`LLMEngine.verify_widths`: with confidence-scheduled verification, 0 .. k drafts).
 
 `max_len` limits it to the shapes of sequences that end at or before that length (what a batch
 of known requests can reach: `LLM` warms each call up to its longest prompt + max_tokens), and a
@@ -136,24 +137,68 @@ def _run_step(engine, shape: StepShape) -> None:
     layout, ec = engine.cache.layout, engine.engine_config
     end = min(shape.pages * layout.page_size, layout.max_len)
     n = min(shape.tokens, end, ec.prefill_chunk)
-    start = end - n
-    needed = -(-end // layout.page_size)
-    table = np.full((layout.num_slots, layout.max_pages_per_slot), -1, np.int32)
     floor = 0 if shape.decoder else end + ec.keep_tokens  # encoder-only: the chunk is below the floor
-    work = []
-    for slot in range(shape.rows):
-        table[slot, :needed] = (slot * needed + np.arange(needed)) % (layout.num_pages // layout.dp)
-        work.append(ChunkWork(slot, np.ones(n, np.int32), start, np.ones(start, np.int32), floor))
+    table, work = _dummy_rows(engine, shape.rows, end, n, floor)
     sample = StepSampling([False] * len(work), _logprobs(shape)) if shape.decoder else None  # no token kept
     if shape.kind == "decode" and engine.speculative is not None:  # decodes run as verify steps
-        k = engine.speculative.num_speculative_tokens
-        start = max(0, end - (k + 1))
-        work = [dataclasses.replace(w, tokens=np.ones(1, np.int32), start=start, history=np.ones(start, np.int32))
-                for w in work]
-        engine.runner.verify(work, table, [end - start - 1] * len(work), [None] * len(work), tokens=k + 1,
-                             sample=sample)
+        for width in engine.verify_widths():
+            if not _verify_compiled(engine, shape, width):
+                _dummy_verify(engine, table, work, end, width, sample)
         return
     engine.runner.run(work, table, rows=shape.rows, tokens=shape.tokens, decoder=shape.decoder, sample=sample)
+
+
+def _dummy_rows(engine, rows: int, end: int, n: int, floor: int) -> tuple[np.ndarray, list[ChunkWork]]:
+    """A page table and `rows` rows in the first slots of rank 0, each a chunk of n dummy tokens
+    that ends at `end` (on pages spread over the rank's pool)."""
+    layout = engine.cache.layout
+    needed = -(-end // layout.page_size)
+    table = np.full((layout.num_slots, layout.max_pages_per_slot), -1, np.int32)
+    work = []
+    for slot in range(rows):
+        table[slot, :needed] = (slot * needed + np.arange(needed)) % (layout.num_pages // layout.dp)
+        work.append(ChunkWork(slot, np.ones(n, np.int32), end - n, np.ones(end - n, np.int32), floor))
+    return table, work
+
+
+def _dummy_verify(engine, table: np.ndarray, work: list[ChunkWork], end: int, width: int,
+                  sample: StepSampling) -> None:
+    """A verify step of `width` drafts per row whose rows end at `end` (`_run_step`'s rows, each
+    turned into an anchor and its drafts)."""
+    start = max(0, end - (width + 1))
+    work = [dataclasses.replace(w, tokens=np.ones(1, np.int32), start=start, history=np.ones(start, np.int32))
+            for w in work]
+    engine.runner.verify(work, table, [end - start - 1] * len(work), [None] * len(work), tokens=width + 1,
+                         sample=sample)
+
+
+def time_verify_widths(engine, repeats: int = 3) -> list[float]:
+    """Seconds of a verify step (all slots, the smallest page bucket) per width W = 0 .. k drafts
+    per row, the median of `repeats` runs after one that compiles: the step-cost curve of
+    confidence-scheduled verification (`verify_schedule.py`). The engine must be idle; it is left
+    as `warm_up` leaves it."""
+    if engine.scheduler.running:
+        raise RuntimeError("time_verify_widths needs an engine with no running request")
+    layout = engine.cache.layout
+    shape = StepShape("decode", layout.slots_per_rank, 1, _page_buckets(layout.max_pages_per_slot)[0])
+    end = min(shape.pages * layout.page_size, layout.max_len)
+    table, work = _dummy_rows(engine, shape.rows, end, 1, 0)
+    sample = StepSampling([False] * len(work), None)
+    runner = engine.runner
+    expert_load = runner.expert_load.copy()
+    seconds = []
+    try:
+        for width in engine.verify_widths():
+            runs = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                _dummy_verify(engine, table, work, end, width, sample)
+                runs.append(time.perf_counter() - t0)
+            seconds.append(float(np.median(runs[1:])))
+        runner.reset(list(range(layout.slots_per_rank)))
+    finally:
+        runner.expert_load = expert_load
+    return seconds
 
 
 def _logprobs(shape: StepShape) -> int | None:
@@ -161,14 +206,21 @@ def _logprobs(shape: StepShape) -> int | None:
 
 
 def _is_compiled(engine, shape: StepShape) -> bool:
-    """`shape` ran before: warmed up earlier, or a real step of the runner used it."""
+    """`shape` ran before: warmed up earlier, or a real step of the runner used it (a decode
+    shape with speculative decoding on: a verify step of every width the engine runs)."""
     if shape in engine.warmed_shapes:
         return True
+    if shape.kind == "decode" and engine.speculative is not None:
+        return all(_verify_compiled(engine, shape, width) for width in engine.verify_widths())
     head = Sampler(_logprobs(shape)) if shape.decoder else None
-    kind, tokens = shape.kind, shape.tokens
-    if kind == "decode" and engine.speculative is not None:
-        kind, tokens = "verify", engine.speculative.num_speculative_tokens + 1
-    key = step_key(kind, shape.rows * engine.cache.layout.dp, tokens, shape.pages, False, shape.decoder, head)
+    key = step_key(shape.kind, shape.rows * engine.cache.layout.dp, shape.tokens, shape.pages, False, shape.decoder,
+                   head)
+    return key in engine.runner.compile_seconds
+
+
+def _verify_compiled(engine, shape: StepShape, width: int) -> bool:
+    key = step_key("verify", shape.rows * engine.cache.layout.dp, width + 1, shape.pages, False, True,
+                   Sampler(_logprobs(shape)))
     return key in engine.runner.compile_seconds
 
 

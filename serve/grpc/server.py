@@ -569,8 +569,7 @@ class GrpcServer:
                               "async_scheduling": engine.async_scheduling, "deterministic": ec.deterministic,
                               "prefix_caching": None if ec.prefix_cache is None else ec.prefix_cache.replay,
                               "speculative_config": (None if ec.speculative is None else
-                                                     {"method": ec.speculative.method, "num_speculative_tokens":
-                                                      ec.speculative.num_speculative_tokens}),
+                                                     dataclasses.asdict(ec.speculative)),
                               "model_name": self._model_name(), "dtype": str(engine.config.dtype),
                               "fake_quant": bool(engine.config.fake_quant)}
             running = len(engine.scheduler.running)

@@ -54,9 +54,10 @@ def _requests():
 REFERENCE = {"top1": "greedy-0"}  # the plain run's request whose tokens a request must reproduce
 
 
-def _run(model, speculative, inject=None, requests=None):
+def _run(model, speculative, inject=None, requests=None, **engine_options):
     config, params, tokenizer = model
-    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, speculative=speculative))
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, speculative=speculative,
+                                                               **engine_options))
     for rid, prompt, sp in requests or _requests():
         engine.add_request(rid, prompt, sp)
     outputs = {}
@@ -111,6 +112,36 @@ def test_greedy_speculation_equals_plain_decoding(model, plain):
     assert len(outputs["logprobs"].logprobs) == MAX_TOKENS
 
 
+def test_confidence_scheduled_verification_equals_plain_decoding(model, plain):
+    """`enable_adaptive_verification`: each step verifies the width Algorithm 1 picks from the
+    requests' earlier confidences and the step-cost curve, here a given one (the profile of a
+    real machine varies) with a cliff: one to four drafts per row cost far more than none, five
+    little more, so the steps switch between 0 and 5 as the confidences move. Whatever the
+    widths, greedy output is the plain output, and the counters count what was verified."""
+    widths = []
+
+    def record(engine):
+        if not hasattr(engine.verify_schedule, "recorded"):
+            choose = engine.verify_schedule.width
+            engine.verify_schedule.recorded = True
+            engine.verify_schedule.width = lambda *a: widths.append(choose(*a)) or widths[-1]
+
+    seconds = (1.0, 9.0, 9.0, 9.0, 9.0, 1.5)
+    speculative = SpeculativeConfig(num_speculative_tokens=K, enable_adaptive_verification=True)
+    engine, outputs = _run(model, speculative, record, verify_step_seconds=seconds)
+    assert engine.verify_schedule.step_seconds.tolist() == list(seconds)
+    for rid, _, sp in _requests():
+        if sp.temperature == 0 or rid in REFERENCE:
+            _agree(outputs[rid].token_ids, plain[REFERENCE.get(rid, rid)])
+        else:
+            assert len(outputs[rid].token_ids) == MAX_TOKENS
+    assert set(widths) == {0, K}, widths
+    counts = engine.spec_counts
+    assert 0 < counts.num_draft_tokens <= K * counts.num_drafts
+    with pytest.raises(ValueError, match="verify_step_seconds: one cost per width 0 .. 5"):
+        _run(model, speculative, verify_step_seconds=(1.0, 2.0))
+
+
 def test_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(model, plain):
     """Host drafts (`Request.host_drafts`) replaced by the reference continuation with one wrong
     token at a random place (or none): every verify step accepts exactly the right prefix and
@@ -163,13 +194,15 @@ def test_speculative_config_is_checked(model):
 def test_llm_speculative_config(tmp_path):
     """`LLM(speculative_config=...)` (vLLM's dict) turns it on: the embedded model's drafter
     verifies drafts, the warm-up compiles the verify shapes (nothing compiles mid-stream) and
-    the output is as long as asked; a key not built yet is refused by name."""
+    the output is as long as asked; a bad key or value is refused by name."""
     from deepinfer import LLM
 
     small = dict(cache_dir=tmp_path / "tiny", max_num_seqs=2, max_model_len=256, page_size=64, prefill_chunk=128,
                  compilation_cache=None, log_stats_interval=None)
-    with pytest.raises(ValueError, match="speculative_config.enable_adaptive_verification: confidence-scheduled"):
-        LLM(speculative_config={"method": "dspark", "enable_adaptive_verification": True}, **small)
+    with pytest.raises(ValueError, match="speculative_config: enable_adaptive_verification must be true or false"):
+        LLM(speculative_config={"method": "dspark", "enable_adaptive_verification": "yes"}, **small)
+    with pytest.raises(ValueError, match="speculative_config.draft_model: unknown key"):
+        LLM(speculative_config={"method": "dspark", "draft_model": "x"}, **small)
     llm = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 3}, **small)
     assert llm.engine.speculative == SpeculativeConfig(num_speculative_tokens=3)
     out = llm.generate([[0, 101, 102, 103]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),

@@ -1,0 +1,98 @@
+"""How many drafts a DSpark verify step checks: the paper's hardware-aware prefix scheduler
+(Algorithm 1, engine-features.md §2.3) over this engine's measured verify-step cost.
+
+`schedule` is Algorithm 1: candidates (request r, draft j) in descending order of survival
+a[r,j] = c[r,1]···c[r,j] (the drafter's confidences, each the predicted acceptance of draft j
+given the ones before it), admitted one at a time while the expected tokens per second,
+tau / seconds(lengths), improves (tau = one token per request plus the admitted survivals).
+With `early_stop` it stops at the first candidate that does not improve it: each admission is
+then decided before anything that depends on the admitted draft itself is looked at, which is
+what keeps it lossless when the confidences are those of the drafts being verified (the
+Appendix-A counterexample: without the stop, a retrospective argmax admits draft 1 only when
+it is the likelier token and the output distribution drifts from the target's).
+
+The engine drafts and verifies in one device program, so the host chooses before the step's
+drafts exist: `VerifySchedule` runs Algorithm 1 on each request's confidences of its earlier
+steps (an exponential moving average, vLLM's `adaptive_verification_ema_alpha`), which is the
+paper's production variant (§5.2: capacity from stale confidences). A choice that depends only
+on tokens already emitted is lossless whatever it is, so there the search continues past
+non-improving candidates to the best prefix (`early_stop=False`), across the jumps of a cost
+curve that is a step function. A verify step pads every row to one width (all slots x the
+anchor and W drafts: `runner.verify`), so its cost is a function of W, profiled at engine start
+(`warmup.time_verify_widths`), and every speculating row checks min(W, its lookahead) drafts:
+checking fewer would cost the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["VerifySchedule", "schedule"]
+
+
+def schedule(confidences: Sequence[np.ndarray], seconds: Callable[[np.ndarray], float], *,
+             early_stop: bool = True) -> np.ndarray:
+    """Algorithm 1 (module docstring). `confidences[r]`: request r's c[r, 1..γ_r] (γ_r = the
+    drafts it may verify, possibly 0); `seconds(lengths)`: the step's cost when request r
+    verifies `lengths[r]` drafts. Returns the lengths (int `[R]`)."""
+    R = len(confidences)
+    lengths = np.zeros(R, np.int64)
+    # survival order; within a request survival never increases, and ties go draft position first
+    # (breadth before depth, so equal confidences widen every request alike)
+    candidates = sorted((-a, j, r) for r, c in enumerate(confidences)
+                        for j, a in enumerate(np.cumprod(np.asarray(c, np.float64))))
+    tau = float(R)
+    best, chosen = tau / seconds(lengths), lengths.copy()
+    for negative_survival, j, r in candidates:
+        lengths[r] = j + 1
+        tau -= negative_survival
+        value = tau / seconds(lengths)
+        if value > best:
+            best, chosen = value, lengths.copy()
+        elif early_stop:
+            break
+    return chosen
+
+
+class VerifySchedule:
+    """The verify width of each step from stale confidences and the measured cost per width.
+
+    `step_seconds[W]`: seconds of a verify step in which every row checks W drafts (W = 0 ..
+    num_speculative_tokens). `observe` folds a request's confidences from a verify step into its
+    moving average, `observe_step` a step's into the engine-wide one that stands in for a
+    request's first step."""
+
+    def __init__(self, step_seconds: Sequence[float], alpha: float = 0.8):
+        self.step_seconds = np.asarray(step_seconds, np.float64)
+        if self.step_seconds.ndim != 1 or len(self.step_seconds) < 2 or not np.all(self.step_seconds > 0):
+            raise ValueError(f"step_seconds: one positive cost per width 0..k, got {step_seconds!r}")
+        self.alpha = alpha
+        # before any step: certain acceptance, so the first steps verify as much as pays
+        self.prior = np.ones(len(self.step_seconds) - 1)
+
+    @property
+    def max_width(self) -> int:
+        return len(self.step_seconds) - 1
+
+    def observe(self, previous: np.ndarray | None, confidence: np.ndarray) -> np.ndarray:
+        """A request's average after a step that gave `confidence` (per draft position; the
+        drafter scores its whole block whatever was verified); `previous` None: its first (then
+        the engine-wide average stands in for its history)."""
+        confidence = np.asarray(confidence, np.float64)[:self.max_width]
+        return self.alpha * confidence + (1 - self.alpha) * (self.prior if previous is None else previous)
+
+    def observe_step(self, confidences: Sequence[np.ndarray]) -> None:
+        """Fold a verify step's confidences (its speculating requests') into the engine-wide
+        average, the stand-in for a request's first step."""
+        if len(confidences):
+            mean = np.mean([np.asarray(c, np.float64)[:self.max_width] for c in confidences], axis=0)
+            self.prior = self.alpha * mean + (1 - self.alpha) * self.prior
+
+    def width(self, confidences: Sequence[np.ndarray | None], lookaheads: Sequence[int]) -> int:
+        """The step's W for requests with these averages (None: no step yet) that may verify
+        `lookaheads[r]` drafts: Algorithm 1 without the early stop (module docstring)."""
+        rows = [(self.prior if c is None else c)[:min(n, self.max_width)] for c, n in zip(confidences, lookaheads)]
+        lengths = schedule(rows, lambda lengths: self.step_seconds[int(lengths.max(initial=0))], early_stop=False)
+        return int(lengths.max(initial=0))
