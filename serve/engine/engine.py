@@ -105,9 +105,10 @@ class EngineConfig:
     # DSpark speculative decoding (`speculative.py`); None: off. It keeps the drafter's context
     # (whatever `drafter_context` says) and, for now, reads each step before planning the next
     speculative: SpeculativeConfig | None = None
-    # confidence-scheduled verification's step-cost curve: seconds of a verify step per width
-    # 0 .. num_speculative_tokens drafts per row, as an earlier engine of this configuration on this
-    # machine measured it (`engine.verify_schedule.step_seconds`); None: profiled at start
+    # confidence-scheduled verification's step-cost curve: seconds of a plain decode step, then of
+    # a verify step per width 1 .. num_speculative_tokens drafts per row, as an earlier engine of
+    # this configuration on this machine measured it (`engine.verify_schedule.step_seconds`);
+    # None: profiled at start
     verify_step_seconds: tuple[float, ...] | None = None
     # batch-invariant inference (engine-features.md §3): a request's tokens and logprobs are the
     # same bits whatever else is in the batch, its row, and how its prompt was chunked; the step
@@ -202,20 +203,21 @@ class LLMEngine:
         # a decode step can run as two programs (`runner.run_split`) where its masks need the
         # tokens in flight (asynchronous scheduling, one device, no speculative decoding)
         self._splits = self.async_scheduling and self.speculative is None and mesh is None
-        # confidence-scheduled verification: the verify step's cost per width, profiled now
-        # (dummy steps on the idle engine: `warmup.time_verify_widths`)
+        # confidence-scheduled verification: a plain decode step's cost and a verify step's per
+        # width, profiled now (dummy steps on the idle engine: `warmup.time_decode_steps`)
         self.verify_schedule = None
         if self.speculative is not None and self.speculative.enable_adaptive_verification:
-            from deepinfer.serve.engine.warmup import time_verify_widths
+            from deepinfer.serve.engine.warmup import time_decode_steps
 
             seconds = engine_config.verify_step_seconds
             if seconds is None:
-                seconds = time_verify_widths(self)
+                seconds = time_decode_steps(self)
             elif len(seconds) != self.speculative.num_speculative_tokens + 1:
-                raise ValueError(f"verify_step_seconds: one cost per width 0 .. {self.speculative.num_speculative_tokens}"
-                                 f" ({self.speculative.num_speculative_tokens + 1} values), got {len(seconds)}")
-            log.info("verify step seconds by drafts per row: %s", ", ".join(f"{w}: {s:.4f}"
-                                                                            for w, s in enumerate(seconds)))
+                raise ValueError(f"verify_step_seconds: a plain decode step's cost, then one per width 1 .. "
+                                 f"{self.speculative.num_speculative_tokens} "
+                                 f"({self.speculative.num_speculative_tokens + 1} values), got {len(seconds)}")
+            log.info("step seconds: plain decode %.4f, verify by drafts per row %s", seconds[0],
+                     ", ".join(f"{w}: {s:.4f}" for w, s in enumerate(seconds) if w))
             self.verify_schedule = VerifySchedule(seconds)
 
     def verify_widths(self) -> list[int]:
@@ -223,7 +225,12 @@ class LLMEngine:
         if self.speculative is None:
             return []
         k = self.speculative.num_speculative_tokens
-        return list(range(k + 1)) if self.speculative.enable_adaptive_verification else [k]
+        return list(range(1, k + 1)) if self.speculative.enable_adaptive_verification else [k]
+
+    def decodes_plainly(self) -> bool:
+        """Whether decode steps can run as plain decode steps: always without speculative
+        decoding, and with confidence-scheduled verification where no draft pays."""
+        return self.speculative is None or self.speculative.enable_adaptive_verification
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -351,7 +358,8 @@ class LLMEngine:
         # a constrained decode whose last token is in flight: the model half of the decode step
         # runs while the host reads that token and builds the masks, then the sampler (`_split`)
         split = self._splits and any(r.constraint is not None and r.pending for r in plan.decode)
-        sampled, deferred = self._dispatch(plan, split)
+        width = self._verify_width(plan.decode)  # None: the decodes (if any) run as a plain decode step
+        sampled, deferred = self._dispatch(plan, split, plain_decode=width is None)
         if self.async_scheduling:
             to_read, self._in_flight = self._in_flight, sampled
         else:
@@ -359,8 +367,8 @@ class LLMEngine:
         finished = self._settle(to_read)
         if deferred is not None:
             self._in_flight += self._sample_split(deferred, plan.decode)
-        if self.speculative is not None and plan.decode:
-            finished += self._verify(plan.decode)
+        if width is not None:
+            finished += self._verify(plan.decode, width)
         self._finish_stuck(plan, finished)
         self._check_progress(plan, finished, read=bool(to_read))
         self.cache.flush_disk(block=not self.has_unfinished())
@@ -373,10 +381,11 @@ class LLMEngine:
         outputs, self._ready = self._ready + self._complete(finished), []
         return outputs
 
-    def _dispatch(self, plan, split: bool = False) -> tuple[list[_Sampled], SplitStep | None]:
-        """Run the plan's prefill chunks and decodes on the device without waiting for them;
-        returns the rows that sampled a token (pending in their request until read) and, with
-        `split`, the decode step whose sampler is still to be dispatched (`_sample_split`)."""
+    def _dispatch(self, plan, split: bool = False, plain_decode: bool = True) -> tuple[list[_Sampled], SplitStep | None]:
+        """Run the plan's prefill chunks and, with `plain_decode`, its decodes as a plain decode
+        step on the device without waiting for them; returns the rows that sampled a token
+        (pending in their request until read) and, with `split`, the decode step whose sampler
+        is still to be dispatched (`_sample_split`)."""
         sampled: list[_Sampled] = []
         for step in prefill_passes(plan.prefill, self.cache):
             decoder, group = step.decoder, step.chunks
@@ -392,7 +401,7 @@ class LLMEngine:
                 self.scheduler.publish(request)
                 if request.to_feed == 0:
                     sampled.append(self._sampled(request, out, i))
-        if plan.decode and self.speculative is None:
+        if plan.decode and plain_decode:
             work = [ChunkWork(r.slot, r.ids(r.length - 1, r.length), r.length - 1, self._lookback(r, r.length - 1),
                               r.floor) for r in plan.decode]
             if split:
@@ -588,15 +597,22 @@ class LLMEngine:
             room = min(room, request.params.max_tokens - len(request.output_ids))
         return max(0, min(self.speculative.num_speculative_tokens, room - 1))
 
-    def _verify(self, requests: list[Request]) -> list[Request]:
-        """One DSpark verify step over the decoding requests (`speculative.py`), read at once:
-        each gains its accepted drafts and one more token, checked against the stop rules token
-        by token (tokens after a stop are dropped). Each checks `num_speculative_tokens` drafts,
-        or with confidence-scheduled verification the step's width W (`verify_schedule.py`),
-        fewer near its end (its lookahead). Returns the requests that finished."""
-        width = self.speculative.num_speculative_tokens
-        if self.verify_schedule is not None:
-            width = self.verify_schedule.width([r.confidence for r in requests], [r.lookahead for r in requests])
+    def _verify_width(self, requests: list[Request]) -> int | None:
+        """The drafts per row of this step's verify step: `num_speculative_tokens`, or with
+        confidence-scheduled verification the scheduler's width; None: no verify step (no
+        speculative decoding, no decodes, or a plain decode step pays more)."""
+        if self.speculative is None or not requests:
+            return None
+        if self.verify_schedule is None:
+            return self.speculative.num_speculative_tokens
+        width = self.verify_schedule.width([r.confidence for r in requests], [r.lookahead for r in requests])
+        return width or None
+
+    def _verify(self, requests: list[Request], width: int) -> list[Request]:
+        """One DSpark verify step over the decoding requests (`speculative.py`) in which each
+        checks `width` drafts, fewer near its end (its lookahead), read at once: each gains its
+        accepted drafts and one more token, checked against the stop rules token by token
+        (tokens after a stop are dropped). Returns the requests that finished."""
         work = [ChunkWork(r.slot, r.ids(r.length - 1, r.length), r.length - 1, self._lookback(r, r.length - 1), r.floor)
                 for r in requests]
         num, host = [], []

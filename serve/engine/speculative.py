@@ -25,7 +25,7 @@ A row with ℓ = 0 (a request that does not speculate) samples its one token wit
 sampler, exactly as a decode step does (same noise, logprobs when asked).
 
 What is built: fixed-k and confidence-scheduled verification (the host chooses the step's
-width from earlier steps' confidences: `verify_schedule.py`) of greedy and sampled requests whose
+width, or a plain decode step, from earlier steps' confidences: `verify_schedule.py`) of greedy and sampled requests whose
 logits do not depend on the tokens before them in the block (`speculatable`: no penalties, no
 min_tokens bans left, no logprobs), synchronous, on one device. Not yet: per-position penalties
 and logprobs, overlap with asynchronous scheduling and the mesh step.
@@ -64,7 +64,8 @@ class SpeculativeConfig:
     `num_speculative_tokens` (drafts verified per request and step; DeepInfer's baseline 5, at
     most the drafter's block) and `enable_adaptive_verification` (DSpark's confidence-scheduled
     verification: each step verifies the number of drafts, at most `num_speculative_tokens`,
-    that maximises the expected tokens per second, `verify_schedule.py`)."""
+    that maximises the expected tokens per second, or decodes plainly where none pays,
+    `verify_schedule.py`)."""
 
     method: str = "dspark"
     num_speculative_tokens: int = 5

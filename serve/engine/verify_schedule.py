@@ -19,8 +19,8 @@ on tokens already emitted is lossless whatever it is, so there the search contin
 non-improving candidates to the best prefix (`early_stop=False`), across the jumps of a cost
 curve that is a step function. A verify step pads every row to one width (all slots x the
 anchor and W drafts: `runner.verify`), so its cost is a function of W, profiled at engine start
-(`warmup.time_verify_widths`), and every speculating row checks min(W, its lookahead) drafts:
-checking fewer would cost the same.
+with a plain decode step's, the cost of W = 0 (`warmup.time_decode_steps`), and every
+speculating row checks min(W, its lookahead) drafts: checking fewer would cost the same.
 """
 
 from __future__ import annotations
@@ -57,18 +57,28 @@ def schedule(confidences: Sequence[np.ndarray], seconds: Callable[[np.ndarray], 
 
 
 class VerifySchedule:
-    """The verify width of each step from stale confidences and the measured cost per width.
+    """The verify width of each step from stale confidences and the measured step costs.
 
-    `step_seconds[W]`: seconds of a verify step in which every row checks W drafts (W = 0 ..
-    num_speculative_tokens). `observe` folds a request's confidences from a verify step into its
-    moving average, `observe_step` a step's into the engine-wide one that stands in for a
-    request's first step."""
+    `step_seconds[W]`: seconds of a verify step in which every row checks W >= 1 drafts (W up to
+    num_speculative_tokens), and `step_seconds[0]` a plain decode step's: when no draft pays the
+    step decodes plainly (no drafter, no verification), so speculation costs nothing where it
+    does not pay. `observe` folds a request's confidences from a verify step into its moving
+    average, `observe_step` a step's into the engine-wide one that stands in for a request's
+    first step.
 
-    def __init__(self, step_seconds: Sequence[float], alpha: float = 0.8):
+    A plain step drafts nothing, so the confidences would never change again: after
+    `probe_every` plain steps in a row in which some request could speculate, the next one
+    verifies the best width of at least one draft (a probe), which bounds what probing costs to
+    one verify step in `probe_every + 1`."""
+
+    def __init__(self, step_seconds: Sequence[float], *, alpha: float = 0.8, probe_every: int = 8):
         self.step_seconds = np.asarray(step_seconds, np.float64)
         if self.step_seconds.ndim != 1 or len(self.step_seconds) < 2 or not np.all(self.step_seconds > 0):
-            raise ValueError(f"step_seconds: one positive cost per width 0..k, got {step_seconds!r}")
+            raise ValueError(f"step_seconds: a positive cost for a plain decode step, then one per width 1..k, "
+                             f"got {step_seconds!r}")
         self.alpha = alpha
+        self.probe_every = probe_every
+        self.plain_steps = 0  # plain decode steps in a row in which some request could speculate
         # before any step: certain acceptance, so the first steps verify as much as pays
         self.prior = np.ones(len(self.step_seconds) - 1)
 
@@ -92,7 +102,19 @@ class VerifySchedule:
 
     def width(self, confidences: Sequence[np.ndarray | None], lookaheads: Sequence[int]) -> int:
         """The step's W for requests with these averages (None: no step yet) that may verify
-        `lookaheads[r]` drafts: Algorithm 1 without the early stop (module docstring)."""
+        `lookaheads[r]` drafts: Algorithm 1 without the early stop (module docstring); 0 is a
+        plain decode step, except for a probe (class docstring)."""
         rows = [(self.prior if c is None else c)[:min(n, self.max_width)] for c, n in zip(confidences, lookaheads)]
-        lengths = schedule(rows, lambda lengths: self.step_seconds[int(lengths.max(initial=0))], early_stop=False)
-        return int(lengths.max(initial=0))
+        seconds = self.step_seconds
+        width = int(schedule(rows, lambda lengths: seconds[int(lengths.max(initial=0))],
+                             early_stop=False).max(initial=0))
+        if width or not any(len(r) for r in rows):
+            self.plain_steps = 0 if width else self.plain_steps
+            return width
+        if self.plain_steps < self.probe_every:
+            self.plain_steps += 1
+            return 0
+        self.plain_steps = 0
+        survival = [np.cumprod(r) for r in rows]
+        value = [(len(rows) + sum(a[:w].sum() for a in survival)) / seconds[w] for w in range(1, self.max_width + 1)]
+        return 1 + int(np.argmax(value))

@@ -11,7 +11,8 @@ bucket waits for its compilation (tens of seconds for a real model), which looks
 
 With speculative decoding on, the decode shapes run as DSpark verify steps (all slots x the
 anchor and its drafts), which is what such an engine's decodes are: one per width the engine
-verifies (`LLMEngine.verify_widths`: with confidence-scheduled verification, 0 .. k drafts).
+verifies (`LLMEngine.verify_widths`: with confidence-scheduled verification, 1 .. k drafts, and
+a plain decode step for the steps where no draft pays).
 
 `max_len` limits it to the shapes of sequences that end at or before that length (what a batch
 of known requests can reach: `LLM` warms each call up to its longest prompt + max_tokens), and a
@@ -144,7 +145,8 @@ def _run_step(engine, shape: StepShape) -> None:
         for width in engine.verify_widths():
             if not _verify_compiled(engine, shape, width):
                 _dummy_verify(engine, table, work, end, width, sample)
-        return
+        if not engine.decodes_plainly():  # (else plain decode steps too: below)
+            return
     engine.runner.run(work, table, rows=shape.rows, tokens=shape.tokens, decoder=shape.decoder, sample=sample)
 
 
@@ -172,29 +174,33 @@ def _dummy_verify(engine, table: np.ndarray, work: list[ChunkWork], end: int, wi
                          sample=sample)
 
 
-def time_verify_widths(engine, repeats: int = 3) -> list[float]:
-    """Seconds of a verify step (all slots, the smallest page bucket) per width W = 0 .. k drafts
-    per row, the median of `repeats` runs after one that compiles: the step-cost curve of
-    confidence-scheduled verification (`verify_schedule.py`). The engine must be idle; it is left
-    as `warm_up` leaves it."""
+def time_decode_steps(engine, repeats: int = 3) -> list[float]:
+    """Seconds of a plain decode step, then of a verify step per width W = 1 .. k drafts per row
+    (all slots, the smallest page bucket), each the median of `repeats` runs after one that
+    compiles: the step-cost curve of confidence-scheduled verification (`verify_schedule.py`).
+    The engine must be idle; it is left as `warm_up` leaves it."""
     if engine.scheduler.running:
-        raise RuntimeError("time_verify_widths needs an engine with no running request")
+        raise RuntimeError("time_decode_steps needs an engine with no running request")
     layout = engine.cache.layout
     shape = StepShape("decode", layout.slots_per_rank, 1, _page_buckets(layout.max_pages_per_slot)[0])
     end = min(shape.pages * layout.page_size, layout.max_len)
     table, work = _dummy_rows(engine, shape.rows, end, 1, 0)
     sample = StepSampling([False] * len(work), None)
     runner = engine.runner
+
+    def median_seconds(run) -> float:
+        runs = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            run()
+            runs.append(time.perf_counter() - t0)
+        return float(np.median(runs[1:]))
+
     expert_load = runner.expert_load.copy()
-    seconds = []
     try:
-        for width in engine.verify_widths():
-            runs = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                _dummy_verify(engine, table, work, end, width, sample)
-                runs.append(time.perf_counter() - t0)
-            seconds.append(float(np.median(runs[1:])))
+        seconds = [median_seconds(lambda: runner.run(work, table, rows=shape.rows, tokens=1, sample=sample))]
+        seconds += [median_seconds(lambda: _dummy_verify(engine, table, work, end, width, sample))
+                    for width in engine.verify_widths()]
         runner.reset(list(range(layout.slots_per_rank)))
     finally:
         runner.expert_load = expert_load
@@ -211,7 +217,10 @@ def _is_compiled(engine, shape: StepShape) -> bool:
     if shape in engine.warmed_shapes:
         return True
     if shape.kind == "decode" and engine.speculative is not None:
-        return all(_verify_compiled(engine, shape, width) for width in engine.verify_widths())
+        if not all(_verify_compiled(engine, shape, width) for width in engine.verify_widths()):
+            return False
+        if not engine.decodes_plainly():
+            return True
     head = Sampler(_logprobs(shape)) if shape.decoder else None
     key = step_key(shape.kind, shape.rows * engine.cache.layout.dp, shape.tokens, shape.pages, False, shape.decoder,
                    head)

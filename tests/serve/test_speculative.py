@@ -114,10 +114,12 @@ def test_greedy_speculation_equals_plain_decoding(model, plain):
 
 def test_confidence_scheduled_verification_equals_plain_decoding(model, plain):
     """`enable_adaptive_verification`: each step verifies the width Algorithm 1 picks from the
-    requests' earlier confidences and the step-cost curve, here a given one (the profile of a
-    real machine varies) with a cliff: one to four drafts per row cost far more than none, five
-    little more, so the steps switch between 0 and 5 as the confidences move. Whatever the
-    widths, greedy output is the plain output, and the counters count what was verified."""
+    requests' earlier confidences and the step-cost curve, or decodes plainly where no draft pays
+    (width 0). The curve is given here (a real machine's profile varies) with a cliff: one to
+    four drafts per row cost far more than a plain step, five little more, so the steps switch
+    between plain decoding and five drafts as the confidences move (and the plain steps probe).
+    Whatever the widths, greedy output is the plain output, and the counters count what was
+    verified."""
     widths = []
 
     def record(engine):
@@ -138,7 +140,7 @@ def test_confidence_scheduled_verification_equals_plain_decoding(model, plain):
     assert set(widths) == {0, K}, widths
     counts = engine.spec_counts
     assert 0 < counts.num_draft_tokens <= K * counts.num_drafts
-    with pytest.raises(ValueError, match="verify_step_seconds: one cost per width 0 .. 5"):
+    with pytest.raises(ValueError, match="verify_step_seconds: a plain decode step's cost, then one per width"):
         _run(model, speculative, verify_step_seconds=(1.0, 2.0))
 
 
@@ -230,3 +232,27 @@ def test_llm_speculative_config(tmp_path):
     assert any(key[0] == "verify" for key in compiled) and not any(key[0] == "decode" for key in compiled)
     llm.generate([[0, 104, 105]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert set(llm.engine.runner.compile_seconds) == compiled  # the second call compiled nothing
+
+
+def test_llm_adaptive_verification_compiles_every_width_at_warm_up(tmp_path):
+    """With confidence-scheduled verification the engine profiles its step costs at start and
+    the warm-up compiles a plain decode step and a verify step of every width for each page
+    bucket: whatever width the steps choose, nothing compiles mid-stream."""
+    from deepinfer import LLM
+
+    llm = LLM("tiny-v4.1", cache_dir=tmp_path / "tiny", max_num_seqs=1, max_model_len=128, page_size=64,
+              prefill_chunk=128, compilation_cache=None, log_stats_interval=None,
+              speculative_config={"method": "dspark", "num_speculative_tokens": 2,
+                                  "enable_adaptive_verification": True})
+    seconds = llm.engine.verify_schedule.step_seconds
+    assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm.generate([[0, 101, 102, 103]], params, use_tqdm=False)
+    compiled = set(llm.engine.runner.compile_seconds)
+    assert {key[2] for key in compiled if key[0] == "verify"} == {2, 3}  # tokens: the anchor and 1 or 2 drafts
+    assert any(key[0] == "decode" for key in compiled)
+    llm.engine.verify_schedule.step_seconds = np.array([1.0, 9.0, 1.2])  # the steps now verify two drafts or none
+    llm.generate([[0, 104, 105]], params, use_tqdm=False)
+    llm.engine.verify_schedule.step_seconds = np.array([1.0, 1.1, 9.0])  # one or none
+    llm.generate([[0, 106, 107]], params, use_tqdm=False)
+    assert set(llm.engine.runner.compile_seconds) == compiled

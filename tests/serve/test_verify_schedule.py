@@ -73,8 +73,8 @@ def test_appendix_a_the_early_stop_keeps_the_target_distribution():
 
 def test_width_from_stale_confidences():
     """The engine's choice: one width for the step, from each request's moving average (the
-    engine-wide one before its first step), at most its lookahead."""
-    sched = VerifySchedule([1.0, 1.05, 1.1, 1.6])
+    engine-wide one before its first step), at most its lookahead; 0 is a plain decode step."""
+    sched = VerifySchedule([1.0, 1.05, 1.1, 1.6])  # a plain decode step, then verify steps of 1..3 drafts
     assert sched.max_width == 3
     # before any step the prior is certain acceptance: verify as far as pays
     assert sched.width([None, None], [3, 3]) == 2  # 2 x 3 tokens / 1.1 s beats 2 x 4 / 1.6 s
@@ -89,6 +89,19 @@ def test_width_from_stale_confidences():
     lower = sched.observe(low, np.array([0.001, 0.001, 0.001]))  # 0.049 each
     assert sched.width([lower], [3]) == 0
     assert sched.width([], []) == 0
+
+
+def test_plain_decoding_probes_the_drafter_now_and_then():
+    """Where no draft pays the steps decode plainly, which drafts nothing: every `probe_every + 1`-th
+    such step verifies the best width of at least one draft, so fresh confidences can bring
+    speculation back. Steps in which no request can speculate neither count nor probe."""
+    sched = VerifySchedule([1.0, 1.5, 1.6, 3.0], probe_every=2)
+    weak = [np.array([0.3, 0.3, 0.3])] * 2
+    assert [sched.width(weak, [3, 3]) for _ in range(3)] == [0, 0, 2]  # (2 + 0.78) / 1.6 beats 1.6 / 1.5
+    assert sched.width([None], [0]) == 0 and sched.plain_steps == 0
+    assert [sched.width(weak, [3, 3]) for _ in range(3)] == [0, 0, 2]
+    strong = [np.array([0.95, 0.95, 0.95])] * 2
+    assert sched.width(strong, [3, 3]) == 2 and sched.plain_steps == 0
 
 
 def test_a_bad_cost_table_is_refused():
