@@ -58,8 +58,7 @@ def accept(target_logp: jax.Array, draft_logp: jax.Array, drafts: jax.Array, num
     `target_logp` decides (the noise keys)."""
     B, K = drafts.shape
     live = jnp.arange(K)[None, :] < num_drafts[:, None]
-    greedy_ok = (drafts == blocked_argmax(target_logp[:, :K].reshape(B * K, -1)).reshape(B, K) if K
-                 else jnp.zeros((B, 0), jnp.bool_))  # a step that verifies no draft
+    greedy_ok = drafts == blocked_argmax(target_logp[:, :K].reshape(B * K, -1)).reshape(B, K)
 
     def accepted_count(ok):
         return jnp.sum(jnp.cumprod((ok & live).astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
