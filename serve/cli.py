@@ -43,6 +43,7 @@ JAX and the model are imported only by the subcommands that need them, so `--hel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -353,14 +354,22 @@ def cmd_verify_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _structured_outputs(args: argparse.Namespace):
-    """The `StructuredOutputsParams` of --json-schema FILE / --regex / --grammar FILE / --choice."""
-    from deepinfer.serve.api.types import StructuredOutputsParams
-
+    """The `StructuredOutputsParams` of --json-schema FILE / --regex / --grammar FILE / --choice
+    (and --jump-forward)."""
     given = [name for name in ("json_schema", "regex", "grammar", "choice") if getattr(args, name) is not None]
     if not given:
+        if args.jump_forward:
+            raise CliError("--jump-forward: needs a structured-output constraint (--json-schema, --regex, --grammar "
+                           "or --choice)")
         return None
     if len(given) > 1:
         raise CliError("give at most one of --json-schema, --regex, --grammar, --choice")
+    return dataclasses.replace(_constraint(args, given), jump_forward=args.jump_forward)
+
+
+def _constraint(args: argparse.Namespace, given: list[str]):
+    from deepinfer.serve.api.types import StructuredOutputsParams
+
     if args.json_schema is not None:
         try:
             schema = json.loads(pathlib.Path(args.json_schema).read_text())
@@ -599,6 +608,8 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     shape.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
     shape.add_argument("--grammar", metavar="FILE", help="the output follows this Lark or GBNF grammar file")
     shape.add_argument("--choice", nargs="+", metavar="TEXT", help="the output is exactly one of these strings")
+    shape.add_argument("--jump-forward", action="store_true",
+                       help="append the text the constraint forces without sampling it (jump-forward decoding)")
     add_engine_options(p_gen, env)
     p_gen.set_defaults(func=cmd_generate)
 

@@ -282,10 +282,10 @@ def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monke
     assert re.search(r"^compile\s+: \d+ step shapes in .* before the first step \(persistent cache: ", out, re.M), out
 
     # options win over the environment; --chat prints the content (and reasoning in thinking mode)
-    # (and --choice constrains the answer to one of the choices)
+    # (and --choice constrains the answer to one of the choices, here jumping forward)
     code, out, err = run(capsys, "generate", "--chat", "Hi", "--max-tokens", "8", "--temperature", "0",
                          "--prefill-mode", "compact", "--keep-tokens", "140", "--choice", "yes", "no",
-                         *SMALL_ENGINE)
+                         "--jump-forward", *SMALL_ENGINE)
     assert code == 0, err
     assert "prefill compact (keep 140)" in out
     assert "--- chat: 'Hi'" in out and "thinking off" in out
@@ -315,6 +315,7 @@ def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monke
         (["generate", "--prompt", "x", "--json-schema", "/no/such/schema.json"], {},
          ["--json-schema", "/no/such/schema.json"]),
         (["generate", "--prompt", "x", "--choice", ""], {}, ["--choice"]),
+        (["generate", "--prompt", "x", "--jump-forward"], {}, ["--jump-forward", "needs a structured-output"]),
         (["generate", "--prompt", "x", "--regex", "[0-9", *SMALL_ENGINE], {}, ["structured_outputs.regex", "[0-9"]),
     ],
 )

@@ -26,7 +26,10 @@ has sampled. When a decode step has such a row whose last token is still in flig
 as two programs (`runner.run_split`): the model half is dispatched first, then the host reads the
 previous step, advances the grammars and builds the masks while the device computes, then the
 sampler half is dispatched with them. (On a mesh or with speculative decoding the engine reads
-the previous step first instead.)
+the previous step first instead.) With jump-forward (`_jump_forward`) the tokens a grammar forces
+are appended when the request is added and after each step's tokens are read; they are its next
+input, computed as one chunk (a request that jumped while its next decode's model half ran keeps
+no sample of that step).
 
 DSpark speculative decoding (`EngineConfig.speculative`, `speculative.py`): the decodes run as one
 verify step in which the drafter proposes each request's next block, the target verifies it and
@@ -34,7 +37,8 @@ the request gains the accepted drafts and one more token. The host only chooses 
 each request verifies: `num_speculative_tokens`, or with confidence-scheduled verification the
 step's width from the requests' earlier confidences (`verify_schedule.py`), at most its lookahead
 (`Request.lookahead`, whose pages the scheduler reserves). Such an engine reads each step before
-planning the next.
+planning the next. A step in which constrained requests check drafts runs as two programs, so
+that their grammars can mask every verify position after reading the drafts before it.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from deepinfer.serve.text.stops import StopChecker
 
 log = logging.getLogger("deepinfer.engine")
 PREFILL_MODES = ("full", "compact")
+FORCED_BUCKET = 16  # the shortest token bucket of a step of jump-forward chunks
 
 
 class EngineStalledError(RuntimeError):
@@ -194,7 +199,7 @@ class LLMEngine:
         self._step_count = 0
         self._in_flight: list[_Sampled] = []  # the dispatched step's sampled rows, not read yet
         self._ready: list[RequestOutput] = []  # finished by `sync()`, returned by the next step
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "forced_tokens": 0}
         # vLLM's spec-decode counters (`SpecDecodeCounts.metrics`); None without speculative decoding
         self.spec_counts = None if self.speculative is None else SpecDecodeCounts(
             self.speculative.num_speculative_tokens)
@@ -259,6 +264,8 @@ class LLMEngine:
         request.seed = params.seed if params.seed is not None else self._default_seed(ids)
         self.requests[request_id] = request
         self.scheduler.add(request)
+        if self._jump_forward(request):  # (the grammar forced all of it)
+            self._ready += self._complete([request])
 
     def _default_seed(self, prompt_ids: list[int]) -> int:
         """The noise seed of a request without one: the next of the engine's seeds, or in
@@ -393,11 +400,15 @@ class LLMEngine:
                               r.floor, r.write_floor) for r, n in group]
             emit = [r.computed + n == r.length for r, n in group]
             sample = self._step_sampling([r if e else None for (r, _), e in zip(group, emit)]) if decoder else None
-            out = self.runner.run(work, self.cache.page_table, rows=step.rows, decoder=decoder,
-                                  tokens=token_bucket(max(len(w.tokens) for w in work)), sample=sample, defer=True)
+            # chunks after the prompts are forced tokens (jump-forward): a few tokens, a short bucket
+            forced = all(r.computed >= len(r.prompt_token_ids) for r, _ in group)
+            tokens = token_bucket(max(len(w.tokens) for w in work), FORCED_BUCKET if forced else GRANULE)
+            out = self.runner.run(work, self.cache.page_table, rows=step.rows, decoder=decoder, tokens=tokens,
+                                  sample=sample, defer=True)
             for i, (request, n) in enumerate(group):
+                self.stats["prompt_tokens"] += max(0, min(request.computed + n, len(request.prompt_token_ids))
+                                                   - request.computed)  # (not forced tokens)
                 request.computed += n
-                self.stats["prompt_tokens"] += n
                 self.scheduler.publish(request)
                 if request.to_feed == 0:
                     sampled.append(self._sampled(request, out, i))
@@ -425,8 +436,10 @@ class LLMEngine:
 
     def _sample_split(self, deferred: SplitStep, requests: list[Request]) -> list[_Sampled]:
         """Dispatch the sampler of a split decode step, the previous step's tokens read and the
-        grammars advanced; a request that finished meanwhile keeps no token (and writes no state)."""
-        rows = [None if r.finished else r for r in requests]
+        grammars advanced; a request that finished meanwhile, or whose grammar forced tokens
+        after the token read (jump-forward: they are its next input), keeps no token (and writes
+        no state)."""
+        rows = [None if r.finished or r.to_feed else r for r in requests]  # (to_feed: it jumped forward)
         out = deferred.sample(self._step_sampling(rows))
         return [self._sampled(r, out, i) for i, r in enumerate(rows) if r is not None]
 
@@ -515,14 +528,15 @@ class LLMEngine:
             eos_token_id=self.config.eos_token_id, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_ids)
 
-    def _step_sampling(self, rows: list[Request | None]) -> StepSampling:
+    def _step_sampling(self, rows: list[Request | None], masks: bool = True) -> StepSampling:
         """The sampling of a step's work rows (None: the row emits no token). Log-probabilities
         are computed only when one of its sampled rows asks; the structured-output masks only when
-        one of them is constrained (built here, from grammars that have read every earlier token)."""
+        one of them is constrained (built here, from grammars that have read every earlier token)
+        and `masks` (False: the caller builds them)."""
         emitting = [r for r in rows if r is not None]
         wants = any(r.params.logprobs is not None for r in emitting)
         constrained = [(i, r.constraint) for i, r in enumerate(rows)
-                       if r is not None and r.constraint is not None and r.constraint.active]
+                       if masks and r is not None and r.constraint is not None and r.constraint.active]
         allowed = None
         if constrained:
             if any(rows[i].pending for i, _ in constrained):  # (`step` reads them first: a safeguard)
@@ -543,7 +557,7 @@ class LLMEngine:
                 continue
             out = _row(sampled.samples.fetch(), sampled.row)
             request.pending -= 1
-            if self._take(request, int(out.tokens), out):
+            if self._take(request, int(out.tokens), out) or self._jump_forward(request):
                 finished.append(request)
             elif request.closing and not request.pending:  # (the limits are counted alike: a safeguard)
                 request.finish_reason, request.status = request.closing, Status.FINISHED
@@ -585,6 +599,35 @@ class LLMEngine:
             return True
         return False
 
+    def _jump_forward(self, request: Request) -> bool:
+        """Jump-forward (`StructuredOutputsParams.jump_forward`), when `request` is added and once
+        a step's tokens of it are read: the tokens its grammar now forces (llguidance's canonical
+        tokenization of the forced bytes) are appended as if sampled, within max_tokens and the
+        context, and the stop rules apply to each; its next step computes them as one chunk and
+        samples after them. Its slot's sampling state is rewritten, so that penalties and
+        min_tokens count them. Not where the forced tokens and the token before them would be
+        tokenized differently together. True when the request finished."""
+        constraint = request.constraint
+        if constraint is None or not request.params.structured_outputs.jump_forward or request.pending \
+                or not constraint.active or request.closing:
+            return False
+        forced = constraint.matcher.compute_ff_tokens()
+        room = self.cache.layout.max_len - request.length
+        if request.params.max_tokens is not None:
+            room = min(room, request.params.max_tokens - len(request.output_ids))
+        forced = forced[:max(room, 0)]
+        # llguidance tokenizes the forced bytes canonically but not together with the token
+        # before them: where the model's last token would merge with them ("hel" + "lo world"
+        # is not how "hello world" is tokenized), do not jump; the model samples on under the mask
+        if not forced or (request.output_ids and not self._grammars.canonical([request.output_ids[-1], *forced])):
+            return False
+        self.stats["forced_tokens"] += len(forced)
+        if any(self._take(request, int(token), None) for token in forced):
+            return True
+        if request.slot is not None:  # (else its admission writes it)
+            self.runner.write_sampling(request.slot, self._slot_row(request))
+        return False
+
     # ---- speculative decoding ------------------------------------------------------------
     def _lookahead(self, request: Request) -> int:
         """Drafts `request`'s next verify step checks: `num_speculative_tokens`, fewer near its
@@ -624,8 +667,11 @@ class LLMEngine:
             num.append(n)
             host.append(r.host_drafts)
             r.host_drafts = None
-        out = self.runner.verify(work, self.cache.page_table, num, host, tokens=width + 1,
-                                 sample=self._step_sampling(requests))
+        if any(n and r.constraint is not None for n, r in zip(num, requests)):
+            out = self._verify_constrained(requests, work, num, host, width + 1)
+        else:
+            out = self.runner.verify(work, self.cache.page_table, num, host, tokens=width + 1,
+                                     sample=self._step_sampling(requests))
         finished, observed = [], []
         for i, request in enumerate(requests):
             accepted, count = int(out.accepted[i]), int(out.count[i])
@@ -639,13 +685,30 @@ class LLMEngine:
                 gained = [(int(t), None) for t in out.tokens[i, :count]]
             else:
                 gained = [(int(out.sampled.tokens[i]), _row(out.sampled, i))]
-            for token, row in gained:
-                if self._take(request, token, row):
-                    finished.append(request)
-                    break
+            if any(self._take(request, token, row) for token, row in gained) or self._jump_forward(request):
+                finished.append(request)
         if self.verify_schedule is not None:
             self.verify_schedule.observe_step(observed)
         return finished
+
+    def _verify_constrained(self, requests: list[Request], work: list[ChunkWork], num: list[int],
+                            host: list[list[int] | None], tokens: int):
+        """A verify step in which constrained requests check drafts, as two programs: the drafts
+        come to the host, each constrained row's grammar gives a mask per verify position from
+        them (without advancing), and the verification applies them (`speculative.py`)."""
+        proposed = self.runner.propose(work, self.cache.page_table, num, host, tokens=tokens,
+                                       sample=self._step_sampling(requests, masks=False))
+        words = (self.config.vocab_size + 31) // 32
+        masks = np.full((len(requests), tokens, words), -1, np.int32)
+        jobs = []
+        for i, request in enumerate(requests):
+            where = None if request.constraint is None else \
+                request.constraint.draft_masks(proposed.drafts[i, :num[i]].tolist())
+            if where is not None:
+                first, read = where
+                jobs.append((request.constraint.matcher, i * tokens + first, read))
+        self._grammars.fill_drafts(jobs, masks.reshape(len(requests) * tokens, words))
+        return self.runner.check(proposed, masks)
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)

@@ -29,7 +29,7 @@ from deepinfer.ops.batch_invariant import compiler_options
 from deepinfer.pallas_kernels.registry import KernelConfig, platform_info
 from deepinfer.serve.engine.device_step import sample_logits, step_and_sample, step_logits
 from deepinfer.serve.engine.sampler import Sampler
-from deepinfer.serve.engine.speculative import verify_step
+from deepinfer.serve.engine.speculative import check_drafts, propose_drafts, verify_step
 
 __all__ = ["StepPrograms", "engine_step", "forget_unused", "forward_step", "memory_maps", "release_unused",
            "step_programs"]
@@ -39,8 +39,10 @@ class StepPrograms:
     """The jitted steps of one family: `forward(params, cache, batch, all_logits=, decoder=)`
     (cache donated), `sample(params, cache, state, batch, rows, head=)` and the DSpark
     `verify(params, cache, state, batch, rows, drafts_in, head=)` (cache and sampling state
-    donated), and `sample` split in two: `logits(params, cache, state, batch, rows)` (cache
-    donated) then `sample_logits(logits, state, slots, rows, head=)` (state donated)."""
+    donated); `verify` split in two: `propose(params, cache, state, batch, rows, drafts_in)`
+    then `check(params, cache, state, batch, rows, drafts_in, proposal, masks, head=)` (cache
+    and state donated); `sample` split in two: `logits(params, cache, state, batch, rows)`
+    (cache donated) then `sample_logits(logits, state, slots, rows, head=)` (state donated)."""
 
     def __init__(self, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None):
         self.key = (config, layout, kernels)
@@ -50,6 +52,9 @@ class StepPrograms:
                            donate_argnums=(1,))
         self.sample = jit(partial(step_and_sample, **bound), static_argnames=("head",), donate_argnums=(1, 2))
         self.verify = jit(partial(verify_step, **bound), static_argnames=("head",), donate_argnums=(1, 2))
+        # the verify step split in two where the host must see the drafts (structured output)
+        self.propose = jit(partial(propose_drafts, **bound))
+        self.check = jit(partial(check_drafts, **bound), static_argnames=("head",), donate_argnums=(1, 2))
         # a decode step split in two (`device_step.step_logits` / `sample_logits`)
         self.logits = jit(partial(step_logits, **bound), donate_argnums=(1,))
         self.sample_logits = jit(sample_logits, static_argnames=("head",), donate_argnums=(1,))

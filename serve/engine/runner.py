@@ -36,7 +36,7 @@ from deepinfer.serve.engine.page_store import EvictedPages
 from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
-from deepinfer.serve.engine.speculative import DraftInputs, VerifyOutput
+from deepinfer.serve.engine.speculative import DraftInputs, DraftProposal, VerifyOutput
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -102,6 +102,28 @@ class SplitStep:
         pending = PendingSamples(runner, out, self._counts, self._row_of)
         self._logits = self._counts = None
         return pending
+
+
+@dataclass(frozen=True)
+class _VerifyInputs:
+    """A verify step's device inputs (batch, sampler rows, draft inputs) and padding."""
+
+    inputs: tuple
+    row_of: list[int]
+    rows: int
+    pages: int
+    head: Sampler
+
+
+@dataclass(frozen=True)
+class ProposedDrafts:
+    """A verify step whose drafts exist (`ModelRunner.propose`) and are not verified yet:
+    `drafts [len(work), K]` on the host, in the work's order; the drafter's output stays on the
+    device for `ModelRunner.check`."""
+
+    drafts: np.ndarray
+    step: _VerifyInputs
+    proposal: DraftProposal
 
 
 @dataclass(frozen=True)
@@ -435,6 +457,54 @@ class ModelRunner:
         request's anchor), with `num_drafts` drafts each (the drafter's, or `host_drafts` where
         not None), padded to all slots x `tokens` (the anchor and room for the most drafts);
         waits for it and returns its `VerifyOutput` on the host, rows in `work`'s order."""
+        step = self._verify_inputs(work, page_table, num_drafts, host_drafts, tokens, sample)
+        key = step_key("verify" + ("+masks" if sample.allowed is not None else ""), step.rows, tokens, step.pages,
+                       False, True, step.head)
+        start = time.perf_counter()
+        with jax.profiler.TraceAnnotation("verify"):
+            self.cache, self.sampling, out, counts = self._programs.verify(self.params, self.cache, self.sampling,
+                                                                           *step.inputs, head=step.head)
+        self._record(key, start)
+        return self._verified(out, counts, step.row_of)
+
+    def propose(self, work: list[ChunkWork], page_table: np.ndarray, num_drafts: list[int],
+                host_drafts: list[list[int] | None], *, tokens: int, sample: StepSampling) -> ProposedDrafts:
+        """The first half of a verify step split in two (`speculative.propose_drafts`): the rows'
+        drafts, on the host, for `check` to verify under the masks the host builds from them."""
+        step = self._verify_inputs(work, page_table, num_drafts, host_drafts, tokens, sample)
+        key = step_key("verify/propose", step.rows, tokens, step.pages, False, True, None)
+        start = time.perf_counter()
+        with jax.profiler.TraceAnnotation("verify/propose"):
+            proposal = self._programs.propose(self.params, self.cache, self.sampling, *step.inputs)
+            drafts = np.asarray(proposal.drafts)[step.row_of]
+        self._record(key, start)
+        return ProposedDrafts(drafts, step, proposal)
+
+    def check(self, proposed: ProposedDrafts, masks: np.ndarray) -> VerifyOutput:
+        """The second half (`speculative.check_drafts`): verify `proposed` with each row's
+        structured-output bitmask per verify position (`masks i32[len(work), tokens, W]`, all
+        ones for unconstrained rows and positions); waits and returns the `VerifyOutput`."""
+        step = proposed.step
+        full = np.full((step.rows, *masks.shape[1:]), -1, np.int32)
+        full[step.row_of] = masks
+        T = full.shape[1]
+        key = step_key("verify/check+masks", step.rows, T, step.pages, False, True, step.head)
+        start = time.perf_counter()
+        with jax.profiler.TraceAnnotation("verify/check"):
+            self.cache, self.sampling, out, counts = self._programs.check(
+                self.params, self.cache, self.sampling, *step.inputs, proposed.proposal, jnp.asarray(full),
+                head=step.head)
+        self._record(key, start)
+        return self._verified(out, counts, step.row_of)
+
+    def _verified(self, out: VerifyOutput, counts, row_of: list[int]) -> VerifyOutput:
+        out, counts = jax.device_get((out, counts))
+        self.expert_load += counts
+        return jax.tree.map(lambda a: a[row_of], out)
+
+    def _verify_inputs(self, work: list[ChunkWork], page_table: np.ndarray, num_drafts: list[int],
+                       host_drafts: list[list[int] | None], tokens: int, sample: StepSampling) -> _VerifyInputs:
+        """A verify step's device inputs (`verify`'s arguments)."""
         if self.mesh_step is not None:
             raise ValueError("speculative decoding runs on one device for now: build the engine without a mesh")
         if not self.layout.draft_rings:
@@ -456,20 +526,10 @@ class ModelRunner:
                     raise ValueError(f"{len(host)} host drafts for a row that verifies {n}")
                 drafts_in.host_drafts[b, :n] = host
                 drafts_in.use_host[b] = True
-        # the anchor's next position; a constrained row (it verifies no drafts) samples under its mask
+        # the anchor's next position; a constrained row that verifies no drafts samples under its mask
         rows = SampleRows(emit, batch.positions[:, 0] + 1, allowed=sample.allowed_rows(row_of, B))
-        head = Sampler(sample.num_logprobs)
-        key = step_key("verify" + ("+masks" if sample.allowed is not None else ""), B, tokens, n_pages, False, True,
-                       head)
-        start = time.perf_counter()
-        with jax.profiler.TraceAnnotation("verify"):
-            args = jax.tree.map(jnp.asarray, (batch, rows, drafts_in))
-            self.cache, self.sampling, out, counts = self._programs.verify(self.params, self.cache, self.sampling,
-                                                                           *args, head=head)
-            out, counts = jax.device_get((out, counts))
-        self.expert_load += counts
-        self._record(key, start)
-        return jax.tree.map(lambda a: a[row_of], out)
+        inputs = jax.tree.map(jnp.asarray, (batch, rows, drafts_in))
+        return _VerifyInputs(inputs, row_of, B, n_pages, Sampler(sample.num_logprobs))
 
     def _draft_folds(self, work: list[ChunkWork], row_of: list[int], B: int, K: int) -> np.ndarray | None:
         """The host's part of the Engram folds of K drafts after each row's anchor

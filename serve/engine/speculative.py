@@ -12,7 +12,7 @@ the host; padding after). The program
    logits for sampled ones (noise keyed by seed and position, `acceptance.DRAFT_STREAM`). Drafts
    the host proposed instead (`DraftInputs.host_drafts`: tests' oracle drafts) are certain
    (one-hot q). The drafts' Engram rows are hashed on the device (`hash_drafts`), so the host
-   never sees a draft before it is accepted;
+   need not see a draft before it is accepted;
 2. verifies: the target runs over [anchor, drafts] (`model.step.verify_body`) and each position's
    target distribution p is the request's own (logit bias, temperature, min-p, top-k, top-p:
    `sampler.process_logits` / `truncate`);
@@ -24,10 +24,18 @@ the host; padding after). The program
 A row with ℓ = 0 (a request that does not speculate) samples its one token with the plain
 sampler, exactly as a decode step does (same noise, logprobs when asked).
 
+Structured output: a constrained row's mask at each verify position depends on the drafts before
+it, which the host's grammar must read. A step with such a row therefore runs as two programs:
+`propose_drafts` (step 1), then the host builds one mask per position from the drafts without
+advancing the grammar (`serve.structured`), then `check_drafts` (steps 2 and 3) applies them to the
+target's logits: a draft the grammar forbids has p = 0 and is rejected like any other, and the
+correction or bonus token is drawn under its own position's mask. Acceptance stays lossless: the
+drafts are still drawn from the (unmasked) drafter's q.
+
 What is built: fixed-k and confidence-scheduled verification (the host chooses the step's
 width, or a plain decode step, from earlier steps' confidences: `verify_schedule.py`) of greedy and sampled requests whose
 logits do not depend on the tokens before them in the block (`speculatable`: no penalties, no
-min_tokens bans left, no logprobs), synchronous, on one device. Not yet: per-position penalties
+min_tokens bans left, no logprobs), constrained or not, synchronous, on one device. Not yet: per-position penalties
 and logprobs, overlap with asynchronous scheduling and the mesh step.
 """
 
@@ -47,12 +55,13 @@ from deepinfer.model.rollback import roll_back
 from deepinfer.model.step import StepBatch, verify_body
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine.acceptance import DRAFT_STREAM, accept, stream_keys
-from deepinfer.serve.engine.sampler import (SampleOutput, SampleRows, Sampler, blocked_argmax, draw, process_logits,
-                                            slot_settings, truncate)
+from deepinfer.serve.engine.sampler import (SampleOutput, SampleRows, Sampler, apply_bitmask, blocked_argmax, draw,
+                                            process_logits, slot_settings, truncate)
 from deepinfer.serve.engine.sampling_state import SamplingState
 from deepinfer.serve.engine.types import SamplingParams
 
-__all__ = ["DraftInputs", "SpecDecodeCounts", "SpeculativeConfig", "VerifyOutput", "speculatable", "verify_step"]
+__all__ = ["DraftInputs", "DraftProposal", "SpecDecodeCounts", "SpeculativeConfig", "VerifyOutput", "check_drafts",
+           "propose_drafts", "speculatable", "verify_step"]
 
 METHODS = ("dspark",)
 KEYS = ("method", "num_speculative_tokens", "enable_adaptive_verification")
@@ -137,12 +146,11 @@ class SpecDecodeCounts:
 
 def speculatable(params: SamplingParams, num_output: int) -> bool:
     """Whether a request that has generated `num_output` tokens verifies drafts in its next step:
-    greedy or sampled, as long as nothing makes a position's logits depend on the drafts before
-    it (penalties, min_tokens bans still active), it asks for no logprobs and has no
-    structured-output constraint (its drafts would need a grammar mask per position: not built;
-    such a row samples its one token under its mask in the verify step)."""
+    greedy or sampled, constrained or not, as long as nothing makes a position's logits depend
+    on the drafts before it (penalties, min_tokens bans still active) and it asks for no
+    logprobs."""
     return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
-            and num_output >= params.min_tokens and params.logprobs is None and params.structured_outputs is None)
+            and num_output >= params.min_tokens and params.logprobs is None)
 
 
 @jax.tree_util.register_dataclass
@@ -177,22 +185,30 @@ class VerifyOutput:
     confidence: jax.Array
 
 
-def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
-                drafts_in: DraftInputs, *, config: ModelConfig, layout: CacheLayout,
-                kernels: KernelConfig | None = None,
-                head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, VerifyOutput, jax.Array]:
-    """One verify step (module docstring). `batch` rows: the anchor, then ℓ placeholders for the
-    drafts (`positions` p .. p+ℓ, `last_index` ℓ); `rows`: the sampler's rows for the anchor;
-    `drafts_in`: ℓ per row and host drafts. Returns the rolled-back cache, the sampling state
-    (every gained token counted, `last_token` the newest), the `VerifyOutput` and the
-    routed-token counts (of every verified token)."""
-    B, T = batch.tokens.shape
-    K = T - 1
-    slots, num = batch.slots, drafts_in.num_drafts
-    settings = slot_settings(state, slots)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DraftProposal:
+    """The drafter's block for each row of a verify step: `drafts [B, K]` (the host's where it
+    proposed them), `q [B, K, V]`: the log-probabilities each draft was drawn from (one-hot for
+    host drafts; zeros when no drafting row samples: greedy acceptance never reads them) and
+    `confidence [B, N]`: the drafter's confidences of its whole block."""
+
+    drafts: jax.Array
+    q: jax.Array
+    confidence: jax.Array
+
+
+def propose_drafts(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
+                   drafts_in: DraftInputs, *, config: ModelConfig, layout: CacheLayout,
+                   kernels: KernelConfig | None = None) -> DraftProposal:
+    """Step 1 of the module docstring: each row's drafts after its anchor (the cache is only
+    read). Its own program where the host must see the drafts before they are verified
+    (structured output: `check_drafts`' per-position masks)."""
+    K = batch.tokens.shape[1] - 1
+    settings = slot_settings(state, batch.slots)
     random = settings["temperature"] > 0
     temperature = jnp.where(random, settings["temperature"], 1.0)
-    drafting = rows.emit & (num > 0)
+    drafting = rows.emit & (drafts_in.num_drafts > 0)
     anchor, anchor_pos = batch.tokens[:, 0], batch.positions[:, 0]
 
     def pick(logits, j):
@@ -208,16 +224,38 @@ def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepB
         drawn, scaled = jax.lax.cond(jnp.any(live), sampled, lambda x: (greedy, x), logits)
         return jnp.where(random, drawn, greedy), scaled
 
-    block = draft_block(params, config, layout, cache, slots, anchor, anchor_pos, batch.floor, kernels, pick)
+    block = draft_block(params, config, layout, cache, batch.slots, anchor, anchor_pos, batch.floor, kernels, pick)
     use_host = drafts_in.use_host[:, None]
     drafts = jnp.where(use_host, drafts_in.host_drafts, block["tokens"][:, :K])
-    any_sampled = jnp.any(drafting & random)  # else acceptance never reads q (greedy rows match argmaxes)
 
     def draft_logp(picked):
         certain = jnp.where(jax.nn.one_hot(drafts, config.vocab_size, dtype=jnp.bool_), 0.0, -jnp.inf)
         return jnp.where(use_host[..., None], certain, jax.nn.log_softmax(picked, axis=-1))
 
-    q = jax.lax.cond(any_sampled, draft_logp, jnp.zeros_like, block["picked"][:, :K])
+    # else acceptance never reads q (greedy rows match argmaxes)
+    q = jax.lax.cond(jnp.any(drafting & random), draft_logp, jnp.zeros_like, block["picked"][:, :K])
+    return DraftProposal(drafts, q, block["confidence"])
+
+
+def check_drafts(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
+                 drafts_in: DraftInputs, proposal: DraftProposal, masks: jax.Array | None = None, *,
+                 config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None = None,
+                 head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, VerifyOutput, jax.Array]:
+    """Steps 2 and 3 of the module docstring over `proposal`'s drafts. `masks i32[B, K+1,
+    ceil(V / 32)]` (None: no row constrained): each verify position's structured-output bitmask
+    (position j: the grammar after the anchor and drafts 1..j), applied to the target's logits
+    before anything else, so a draft the grammar forbids has p = 0 and is rejected, and the
+    correction or bonus token is drawn under its position's mask. Returns what `verify_step`
+    does."""
+    B, T = batch.tokens.shape
+    K = T - 1
+    slots, num, drafts = batch.slots, drafts_in.num_drafts, proposal.drafts
+    settings = slot_settings(state, slots)
+    random = settings["temperature"] > 0
+    temperature = jnp.where(random, settings["temperature"], 1.0)
+    drafting = rows.emit & (num > 0)
+    anchor_pos = batch.positions[:, 0]
+    any_sampled = jnp.any(drafting & random)
 
     verified = jnp.arange(K)[None, :] < num[:, None]
     hash_ids = batch.hash_ids
@@ -228,6 +266,8 @@ def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepB
     cache, logits, counts, undo = verify_body(params, cache, batch, config=config, layout=layout, kernels=kernels)
     logits = jax.lax.optimization_barrier(logits)
     V = logits.shape[-1]
+    if masks is not None:  # (the plain sampler below then reads masked logits too)
+        logits = apply_bitmask(logits.reshape(B * T, V), masks.reshape(B * T, -1)).reshape(B, T, V)
 
     # rows without drafts: the plain sampler on the anchor's logits, exactly a decode step
     state, first = head(logits[:, 0], state, slots, dataclasses.replace(rows, emit=rows.emit & ~drafting))
@@ -244,7 +284,7 @@ def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepB
     target = jax.lax.cond(any_sampled, scaled_logp, lambda x: x, processed).reshape(B, T, V)
     decides = anchor_pos[:, None] + 1 + jnp.arange(T)[None, :]  # the position each entry decides
     # rows without drafts count as greedy here: their token is the plain sampler's
-    accepted, next_token = accept(target, q, drafts, jnp.where(drafting, num, 0), ~(random & drafting),
+    accepted, next_token = accept(target, proposal.q, drafts, jnp.where(drafting, num, 0), ~(random & drafting),
                                   settings["seed"], decides)
 
     idx = jnp.arange(T)[None, :]
@@ -263,5 +303,21 @@ def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepB
         last_token=state.last_token.at[kept].set(next_token, mode="drop"),
         output_counts=state.output_counts.at[at, gained].add(1, mode="drop"))
     out = VerifyOutput(gained, first, count, jnp.where(drafting, accepted, 0).astype(jnp.int32), drafts,
-                       block["confidence"])
+                       proposal.confidence)
     return cache, state, out, counts
+
+
+def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
+                drafts_in: DraftInputs, *, config: ModelConfig, layout: CacheLayout,
+                kernels: KernelConfig | None = None,
+                head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, VerifyOutput, jax.Array]:
+    """One verify step (module docstring): `propose_drafts` then `check_drafts` in one program.
+    `batch` rows: the anchor, then ℓ placeholders for the drafts (`positions` p .. p+ℓ,
+    `last_index` ℓ); `rows`: the sampler's rows for the anchor (a constrained row, which drafts
+    nothing here, samples under `rows.allowed`); `drafts_in`: ℓ per row and host drafts.
+    Returns the rolled-back cache, the sampling state (every gained token counted,
+    `last_token` the newest), the `VerifyOutput` and the routed-token counts (of every verified
+    token)."""
+    bound = dict(config=config, layout=layout, kernels=kernels)
+    proposal = propose_drafts(params, cache, state, batch, rows, drafts_in, **bound)
+    return check_drafts(params, cache, state, batch, rows, drafts_in, proposal, **bound, head=head)

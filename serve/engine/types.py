@@ -83,7 +83,11 @@ class StructuredOutputsParams:
     * `choice`: a list of strings, the output is exactly one of them;
     * `grammar`: a Lark grammar (llguidance's dialect) or a GBNF/EBNF grammar (`::=` rules).
 
-    `disable_any_whitespace` makes JSON compact (no whitespace between tokens). The grammar is
+    `disable_any_whitespace` makes JSON compact (no whitespace between tokens). `jump_forward`:
+    where the grammar forces the next text (a JSON key, a closing bracket, the rest of a choice),
+    append its tokens without sampling them, llguidance's canonical tokenization of the forced
+    bytes, and compute them in the next step as one chunk (SGLang's jump-forward decoding). The
+    forced tokens are not sampled, so a request that asks for logprobs cannot jump. The grammar is
     compiled when the request is added (`deepinfer.serve.structured`); a schema or grammar that
     does not compile is refused there with an error naming the field.
     """
@@ -94,6 +98,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    jump_forward: bool = False
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -117,6 +122,7 @@ class StructuredOutputsParams:
         if self.json_object is not None:
             _check_bool("structured_outputs.json_object", self.json_object)
         _check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+        _check_bool("structured_outputs.jump_forward", self.jump_forward)
 
     @property
     def kind(self) -> str:
@@ -321,6 +327,9 @@ class SamplingParams:
         # structured output
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+            if self.structured_outputs.jump_forward and self.logprobs is not None:
+                _fail("structured_outputs.jump_forward", "forced tokens are not sampled and have no logprobs: "
+                      "ask for logprobs or for jump_forward, not both")
 
     # ------------------------------------------------------------------ helpers
 

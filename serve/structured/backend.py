@@ -10,7 +10,8 @@ which refuses that one request and nothing else.
 Bitmasks are int32 `[rows, ceil(V / 32)]`, token i allowed iff bit i % 32 of word i // 32 is
 set (the layout vLLM, SGLang and `sampler.apply_bitmask` share); a row without a constraint is
 all ones. `fill` computes the constrained rows in llguidance's thread pool (`LLExecutor`), which
-releases the GIL.
+releases the GIL; with speculative decoding, `fill_drafts` computes a verify row's mask per
+position from its drafts the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class GrammarBackend(Protocol):
     def compile(self, spec: StructuredOutputsParams) -> str: ...
     def matcher(self, compiled: str) -> Matcher: ...
     def fill(self, matchers: list[tuple[Matcher, int]], masks: np.ndarray) -> None: ...
+    def fill_drafts(self, matchers: list[tuple[Matcher, int, list[int]]], masks: np.ndarray) -> None: ...
+    def canonical(self, tokens: list[int]) -> bool: ...
 
 
 def _choice_regex(choices: list[str]) -> str:
@@ -116,6 +119,22 @@ class LLGuidanceBackend:
         """Write each matcher's next-token mask into row `index` of `masks` (int32, C order)."""
         if matchers:
             llg_numpy.fill_next_token_bitmask_par(self._executor, matchers, masks)
+
+    def canonical(self, tokens: list[int]) -> bool:
+        """Whether `tokens` are how the tokenizer itself would split their bytes (jump-forward
+        appends forced tokens after a sampled one only where the boundary stays canonical)."""
+        return self.tokenizer.tokenize_bytes(self.tokenizer.decode_bytes(tokens)) == list(tokens)
+
+    def fill_drafts(self, matchers: list[tuple[llguidance.LLMatcher, int, list[int]]], masks: np.ndarray) -> None:
+        """Speculative decoding: for each `(matcher, index, drafts)`, the masks of the positions
+        after reading none, one, ... of the drafts, into rows index, index + 1, ... of `masks`,
+        without advancing the matcher (each is rolled back). Reading stops at the first draft the
+        grammar refuses (or after its end): the rows after it are left as they were, and that
+        draft's own position is masked, so verification rejects it."""
+        drafting = [m for m in matchers if m[2]]  # (llguidance refuses an empty draft list)
+        if drafting:
+            llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting, masks)
+        self.fill([(m, index) for m, index, drafts in matchers if not drafts], masks)
 
 
 @functools.lru_cache(maxsize=4)

@@ -61,6 +61,20 @@ class RequestConstraint:
             return False
         return bool(self.matcher.consume_token(int(token)))
 
+    def draft_masks(self, drafts: list[int]) -> tuple[int, list[int]] | None:
+        """Which of a verify row's positions this grammar masks, for a row that checks `drafts`
+        after its anchor (position j decides the token after drafts 1..j): `(first, read)`: the
+        positions from `first` on, whose masks are the grammar's after reading `read` one by one
+        (`GrammarBackend.fill_drafts`; the matcher is not advanced); the positions before are
+        free. `(0, drafts)` when the grammar has started; while it waits for `</think>`, the
+        positions after a draft that closes the reasoning; None when no position is constrained."""
+        if self.waiting_for is None:
+            return None if self.matcher.is_stopped() else (0, list(drafts))
+        if self.waiting_for in drafts:
+            opened = list(drafts).index(self.waiting_for) + 1
+            return opened, list(drafts[opened:])
+        return None
+
     @property
     def finished(self) -> bool:
         """The grammar is complete and accepts nothing more."""

@@ -1,7 +1,8 @@
 """Structured output (`serve/structured`, `sampler.apply_bitmask`): every constrained output is
 complete and valid, whatever the (random) model prefers; constrained requests leave their
-unconstrained neighbours' outputs as they were; asynchronous scheduling and DSpark give the same
-constrained outputs as the synchronous plain engine; bad specs are refused alone.
+unconstrained neighbours' outputs as they were; asynchronous scheduling and DSpark (whose verify
+steps mask every position from the drafts before it) give the same constrained outputs as the
+synchronous plain engine; bad specs are refused alone.
 
 The constraints are bounded (string lengths, array sizes, integer ranges, compact JSON), so a
 grammar must finish within `MAX_TOKENS` whatever tokens a random model picks: the tests do not
@@ -9,6 +10,7 @@ depend on which tokens the model happens to prefer. Comparisons between engines 
 a greedy token may differ only where the reference's top two (masked) log-probabilities are a
 near-tie. Prompts mix a short one with several-chunk ones (512-token chunks, compact prefill)."""
 
+import dataclasses
 import gc
 import json
 import re
@@ -131,6 +133,11 @@ def _unconstrained():
             for i, p in enumerate(_prompts())]
 
 
+def _engine_args(model):
+    config, params, tokenizer = model
+    return params, config, tokenizer
+
+
 def _run(model, requests, **engine_options):
     config, params, tokenizer = model
     # every engine keeps the drafter's context, as the speculative one does: one cache layout, so
@@ -192,16 +199,218 @@ def test_synchronous_and_asynchronous_scheduling_agree(model, mixed):
             check(sync[rid].text)
 
 
-def test_dspark_on_and_off_give_the_same_constrained_outputs(model):
-    """Constrained rows verify no drafts (per-position masks are not built): they sample their one
-    token under their mask in the verify step, beside a greedy request that speculates."""
-    requests = [r for r in _constrained() if r[2].temperature == 0][:3]
-    free = [("free", _prompts()[1], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), None)]
-    engine, spec = _run(model, requests + free, speculative=SpeculativeConfig(num_speculative_tokens=5))
-    assert engine.spec_counts.num_draft_tokens > 0  # the unconstrained request did speculate
-    _, plain = _run(model, requests)
-    for rid, *_ in requests:
-        _agree(spec[rid], plain[rid])
+def test_dspark_verifies_constrained_drafts_under_a_mask_per_position(model, mixed):
+    """Constrained requests speculate: each verify step runs as two programs, the drafts come to
+    the host and each grammar masks every verify position from the drafts before it. With the
+    (random) drafter's own drafts, greedy outputs equal plain decoding and sampled ones are
+    valid; the step kinds show the split."""
+    _, plain = mixed
+    requests = _constrained(logprobs=None)  # (logprobs would keep a request from speculating)
+    engine, spec = _run(model, requests, speculative=SpeculativeConfig(num_speculative_tokens=5))
+    assert engine.spec_counts.num_draft_tokens > 0
+    assert {"verify/propose", "verify/check+masks"} <= {key[0] for key in engine.runner.compile_seconds}
+    for rid, _, sp, check in requests:
+        assert spec[rid].finish_reason == "stop", rid
+        check(spec[rid].text)
+        if sp.temperature == 0:
+            _agree(spec[rid], plain[rid])
+
+
+def test_dspark_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(model, mixed):
+    """Drafts proposed on the host (the plain run's continuation, one token changed at a random
+    place or none): every verify step of a constrained greedy request accepts exactly the right
+    prefix, so each position's mask let through what the grammar allows after the drafts before
+    it (the reasoning request's drafts open with `</think>`: the grammar starts inside the
+    window), the correction and bonus tokens are drawn under their own masks, and the output
+    equals plain decoding."""
+    _, plain = mixed
+    requests = [r for r in _constrained(logprobs=None) if r[2].temperature == 0]
+    rng = np.random.default_rng(3)
+    injected = []  # (request, output length, drafts offered)
+
+    def inject(engine):
+        for rid, request in engine.requests.items():
+            ref, n = plain[rid].token_ids, len(request.output_ids)
+            if not n or n >= len(ref) - 1:  # (prefilling: it verifies nothing this step)
+                continue
+            drafts = list(ref[n:n + 5])
+            wrong = rng.integers(0, 7)  # 5, 6: all right
+            if wrong < len(drafts):
+                drafts[wrong] = (drafts[wrong] + 1) % 1000
+            request.host_drafts = drafts
+            injected.append((rid, n, drafts))
+
+    def run():
+        engine = LLMEngine(*_engine_args(model), EngineConfig(budget=BUDGET, drafter_context=True,
+                                                              speculative=SpeculativeConfig(num_speculative_tokens=5)))
+        for rid, prompt, sp, _ in requests:
+            engine.add_request(rid, prompt, sp)
+        outputs = {}
+        while engine.has_unfinished():
+            inject(engine)
+            for o in engine.step():
+                outputs[o.request_id] = o.outputs[0]
+        return engine, outputs
+
+    engine, outputs = run()
+    expected = 0
+    for rid, n, drafts in injected:
+        got = outputs[rid].token_ids[n:n + len(drafts)]
+        expected += next((j for j, (d, t) in enumerate(zip(drafts, got)) if d != t), len(drafts))
+    assert engine.spec_counts.num_accepted_tokens == expected
+    for rid, _, sp, check in requests:
+        check(outputs[rid].text)
+        _agree(outputs[rid], plain[rid])
+    # most tokens came from accepted drafts
+    assert expected >= sum(len(outputs[rid].token_ids) for rid, *_ in requests) // 3, expected
+
+
+def _jumping():
+    """Greedy constrained requests with jump-forward on short prompts (below the compact
+    prefill's replay, so the engine's logits are the full forward's: `_replay` checks them)."""
+    rng = np.random.default_rng(5)
+    out = []
+    for rid, _, sp, check in _constrained(logprobs=None):
+        if sp.temperature == 0 and rid != "reasoning":
+            spec = dataclasses.replace(sp.structured_outputs, jump_forward=True)
+            prompt = rng.integers(100, 100_000, int(rng.integers(5, 100))).tolist()
+            out.append((rid, prompt, dataclasses.replace(sp, structured_outputs=spec), check))
+    return out
+
+
+def _replay(model, requests, outputs, strict: bool) -> int:
+    """Walk each output through a fresh matcher beside one full forward over prompt + output:
+    wherever the grammar forces tokens after a sampled one (and at the start) and they keep the
+    tokenization canonical with the token before them, the output goes on with exactly
+    llguidance's forced tokens (`strict`; else they may also have been sampled,
+    as in a DSpark verify step), and every other token is the greedy choice under the grammar's
+    mask of the forward's logits after its prefix, up to a near-tie. Returns the tokens forced."""
+    from deepinfer.model.forward import forward
+    from deepinfer.serve.structured import LLGuidanceBackend
+
+    config, params, tokenizer = model
+    backend = LLGuidanceBackend(tokenizer, config.vocab_size, config.eos_token_id)
+    padded = np.full((len(requests), 256), config.pad_token_id, np.int32)
+    for b, (rid, prompt, *_) in enumerate(requests):
+        seq = prompt + outputs[rid].token_ids
+        padded[b, :len(seq)] = seq
+    logits = np.asarray(forward(params, config, padded))
+    forced_total = 0
+    for b, (rid, prompt, sp, _) in enumerate(requests):
+        out, matcher = outputs[rid].token_ids, backend.matcher(backend.compile(sp.structured_outputs))
+        i, may_force = 0, True
+        while i < len(out):
+            forced = matcher.compute_ff_tokens() if may_force and not matcher.is_stopped() else []
+            if i and forced and not backend.canonical([out[i - 1], *forced]):
+                forced = []  # (the engine does not jump where the boundary would not be canonical)
+            if forced and (strict or out[i:i + len(forced)] == forced[:len(out) - i]):
+                assert out[i:i + len(forced)] == forced[:len(out) - i], f"{rid}: token {i}: not the forced {forced}"
+                assert matcher.consume_tokens(forced[:len(out) - i])
+                i, may_force, forced_total = i + len(forced), False, forced_total + len(forced)
+                continue
+            mask = np.full((1, (config.vocab_size + 31) // 32), -1, np.int32)
+            if not matcher.is_stopped():
+                backend.fill([(matcher, 0)], mask)
+            allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:config.vocab_size].astype(bool)
+            row = np.where(allowed, logits[b, len(prompt) + i - 1], -np.inf)
+            gap = row.max() - row[out[i]]
+            assert gap < NEAR_TIE, f"{rid}: token {i} ({out[i]}) is not the masked argmax (gap {gap:.2e})"
+            assert matcher.is_stopped() or matcher.consume_token(out[i])
+            i, may_force = i + 1, True
+    return forced_total
+
+
+def test_jump_forward_appends_the_forced_tokens_and_samples_the_rest_from_the_model(model):
+    """`jump_forward`: the tokens the grammar forces (at the start and after each sampled token)
+    are appended without sampling and computed as one chunk; every other token is the model's
+    masked greedy choice after the whole sequence before it (`_replay`). Asynchronous
+    scheduling (the default: the forced tokens are found while the next decode step's model half
+    runs, whose sample is then dropped) and DSpark (forcing after each verify step's tokens) give
+    valid outputs, fewer steps than tokens."""
+    requests = _jumping()
+    engine, outputs = _run(model, requests)
+    for rid, _, sp, check in requests:
+        assert outputs[rid].finish_reason == "stop", rid
+        check(outputs[rid].text)
+    forced = _replay(model, requests, outputs, strict=True)
+    assert forced == engine.stats["forced_tokens"] > 0
+    assert engine.stats["generation_tokens"] == sum(len(o.token_ids) for o in outputs.values())
+    engine, spec = _run(model, requests, speculative=SpeculativeConfig(num_speculative_tokens=5))
+    assert engine.stats["forced_tokens"] > 0
+    for rid, _, sp, check in requests:
+        check(spec[rid].text)
+    _replay(model, requests, spec, strict=False)
+
+
+def test_jump_forward_finishes_a_forced_output_at_once_and_keeps_token_boundaries_canonical(model):
+    """A grammar that forces everything (one choice): the request is complete when it is
+    added, its output comes with the next step, and nothing is computed for it. Where the
+    forced tokens would merge with the model's last token, no jump."""
+    config, params, tokenizer = model
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, drafter_context=True))
+    engine.add_request("only", [5, 6, 7], SamplingParams(max_tokens=20, structured_outputs={
+        "choice": ["positive"], "jump_forward": True}))
+    outputs = engine.step()
+    assert [o.request_id for o in outputs] == ["only"] and outputs[0].outputs[0].text == "positive"
+    assert outputs[0].outputs[0].finish_reason == "stop" and engine.stats["prompt_tokens"] == 0
+    assert not engine.has_unfinished()
+    # the model's "hel" then the forced "lo", " world" would not be how "hello world" is
+    # tokenized: no jump there; the model samples on and the jump comes once the boundary is clean
+    hel, before = tokenizer.token_to_id("hel"), engine.stats["forced_tokens"]
+    engine.add_request("boundary", [5, 6, 7], SamplingParams(max_tokens=20, temperature=0.0, logit_bias={hel: 100.0},
+                                                             structured_outputs={"choice": ["hello world", "xyz"],
+                                                                                 "jump_forward": True}))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o.outputs[0]) for o in engine.step())
+    out = outputs["boundary"]
+    assert out.text == "hello world" and out.token_ids[0] == hel, out
+    assert engine.stats["forced_tokens"] - before <= len(out.token_ids) - 2  # "hel" and the next token sampled
+    with pytest.raises(ValueError, match="structured_outputs.jump_forward: forced tokens are not sampled"):
+        SamplingParams(logprobs=1, structured_outputs={"regex": "a+", "jump_forward": True})
+
+
+def test_draft_masks_are_the_grammars_after_each_draft_and_leave_it_where_it_was(model):
+    """`RequestConstraint.draft_masks` and `LLGuidanceBackend.fill_drafts`: position j's mask is
+    the mask of a matcher that consumed drafts 1..j; reading stops at a draft the grammar refuses
+    (its own position still masked); a request inside its reasoning is free up to `</think>`;
+    the matcher is not advanced."""
+    from deepinfer.serve.structured import LLGuidanceBackend, RequestConstraint, ThinkTokens
+
+    config, _, tokenizer = model
+    backend = LLGuidanceBackend(tokenizer, config.vocab_size, config.eos_token_id)
+    grammar = backend.compile(StructuredOutputsParams(regex=REGEX))
+    words = (config.vocab_size + 31) // 32
+    valid = tokenizer.encode("123-ab").ids
+
+    def expected(drafts):
+        fresh, rows = backend.matcher(grammar), []
+        for d in [None, *drafts]:
+            if d is not None and not fresh.consume_token(d):
+                break
+            rows.append(np.full((1, words), -1, np.int32))
+            backend.fill([(fresh, 0)], rows[-1])
+        return np.concatenate(rows)
+
+    think = ThinkTokens.of(tokenizer)
+    for drafts, prompt in [(valid, [5]), (valid[:1] + [7], [5]), ([9, think.close, *valid], [5, think.open]),
+                           ([9, 11], [5, think.open]), ([], [5]), ([9, think.close], [5, think.open])]:
+        constraint = RequestConstraint.for_prompt(backend.matcher(grammar), prompt, think)
+        where = constraint.draft_masks(drafts)
+        masks = np.full((len(drafts) + 1, words), -1, np.int32)
+        if where is not None:
+            first, read = where
+            backend.fill_drafts([(constraint.matcher, first, read)], masks)
+            ref = expected(read)
+            assert (masks[:first] == -1).all() and (masks[first:first + len(ref)] == ref).all()
+        else:
+            assert think.close not in drafts
+        bit = lambda row, t: (int(row[t // 32]) >> (t % 32)) & 1
+        if drafts == valid[:1] + [7]:
+            assert len(ref) == 2 and not bit(masks[1], 7)  # refused at its own position
+        # the matcher is where it was: it still accepts the valid text from its start
+        if constraint.active:
+            assert constraint.matcher.validate_tokens(valid) == len(valid)
 
 
 def test_a_grammar_that_cannot_finish_ends_with_length_and_a_valid_prefix(model):
