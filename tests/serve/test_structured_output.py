@@ -133,12 +133,7 @@ def _unconstrained():
             for i, p in enumerate(_prompts())]
 
 
-def _engine_args(model):
-    config, params, tokenizer = model
-    return params, config, tokenizer
-
-
-def _run(model, requests, **engine_options):
+def _run(model, requests, inject=None, **engine_options):
     config, params, tokenizer = model
     # every engine keeps the drafter's context, as the speculative one does: one cache layout, so
     # they share their compiled step programs
@@ -148,6 +143,8 @@ def _run(model, requests, **engine_options):
         engine.add_request(rid, prompt, sp)
     outputs = {}
     while engine.has_unfinished():
+        if inject is not None:  # (a test's hook between steps)
+            inject(engine)
         for o in engine.step():
             outputs[o.request_id] = o.outputs[0]
     assert engine.cache.pages.free == engine.cache.layout.num_pages
@@ -240,19 +237,7 @@ def test_dspark_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(mode
             request.host_drafts = drafts
             injected.append((rid, n, drafts))
 
-    def run():
-        engine = LLMEngine(*_engine_args(model), EngineConfig(budget=BUDGET, drafter_context=True,
-                                                              speculative=SpeculativeConfig(num_speculative_tokens=5)))
-        for rid, prompt, sp, _ in requests:
-            engine.add_request(rid, prompt, sp)
-        outputs = {}
-        while engine.has_unfinished():
-            inject(engine)
-            for o in engine.step():
-                outputs[o.request_id] = o.outputs[0]
-        return engine, outputs
-
-    engine, outputs = run()
+    engine, outputs = _run(model, requests, inject, speculative=SpeculativeConfig(num_speculative_tokens=5))
     expected = 0
     for rid, n, drafts in injected:
         got = outputs[rid].token_ids[n:n + len(drafts)]
