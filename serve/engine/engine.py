@@ -37,8 +37,9 @@ the request gains the accepted drafts and one more token. The host only chooses 
 each request verifies: `num_speculative_tokens`, or with confidence-scheduled verification the
 step's width from the requests' earlier confidences (`verify_schedule.py`), at most its lookahead
 (`Request.lookahead`, whose pages the scheduler reserves). Such an engine reads each step before
-planning the next. A step in which constrained requests check drafts runs as two programs, so
-that their grammars can mask every verify position after reading the drafts before it.
+planning the next. In a step in which constrained requests check drafts, the host reads the
+drafts before the acceptance program runs, so that their grammars can mask every verify position
+after reading the drafts before it.
 """
 
 from __future__ import annotations
@@ -693,9 +694,9 @@ class LLMEngine:
 
     def _verify_constrained(self, requests: list[Request], work: list[ChunkWork], num: list[int],
                             host: list[list[int] | None], tokens: int):
-        """A verify step in which constrained requests check drafts, as two programs: the drafts
-        come to the host, each constrained row's grammar gives a mask per verify position from
-        them (without advancing), and the verification applies them (`speculative.py`)."""
+        """A verify step in which constrained requests check drafts: the drafts come to the host
+        (while the target verifies them), each constrained row's grammar gives a mask per verify
+        position from them (without advancing), and the acceptance applies them (`speculative.py`)."""
         proposed = self.runner.propose(work, self.cache.page_table, num, host, tokens=tokens,
                                        sample=self._step_sampling(requests, masks=False))
         words = (self.config.vocab_size + 31) // 32

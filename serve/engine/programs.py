@@ -27,9 +27,9 @@ from deepinfer.model.kv_cache import CacheLayout
 from deepinfer.model.step import step_body
 from deepinfer.ops.batch_invariant import compiler_options
 from deepinfer.pallas_kernels.registry import KernelConfig, platform_info
-from deepinfer.serve.engine.device_step import sample_logits, step_and_sample, step_logits
+from deepinfer.serve.engine.device_step import model_rows, sample_logits, sampler_rows, step_logits
 from deepinfer.serve.engine.sampler import Sampler
-from deepinfer.serve.engine.speculative import check_drafts, propose_drafts, verify_step
+from deepinfer.serve.engine.speculative import accept_drafts, propose_drafts, verify_target
 
 __all__ = ["StepPrograms", "engine_step", "forget_unused", "forward_step", "memory_maps", "release_unused",
            "step_programs"]
@@ -37,12 +37,14 @@ __all__ = ["StepPrograms", "engine_step", "forget_unused", "forward_step", "memo
 
 class StepPrograms:
     """The jitted steps of one family: `forward(params, cache, batch, all_logits=, decoder=)`
-    (cache donated), `sample(params, cache, state, batch, rows, head=)` and the DSpark
-    `verify(params, cache, state, batch, rows, drafts_in, head=)` (cache and sampling state
-    donated); `verify` split in two: `propose(params, cache, state, batch, rows, drafts_in)`
-    then `check(params, cache, state, batch, rows, drafts_in, proposal, masks, head=)` (cache
-    and state donated); `sample` split in two: `logits(params, cache, state, batch, rows)`
-    (cache donated) then `sample_logits(logits, state, slots, rows, head=)` (state donated)."""
+    (cache donated: logits out, no sampling); a sampling step in two (`device_step`):
+    `logits(params, cache, state, batch, rows)` (cache donated) then `sample_logits(logits,
+    state, slots, rows, head=)` (state donated); the DSpark verify step in three
+    (`speculative`): `propose(params, cache, state, batch, rows, drafts_in)` (the cache only
+    read), `target(params, cache, batch, drafts_in, proposal)` (cache donated) then
+    `accept(cache, state, batch, rows, drafts_in, proposal, verified, masks, head=)` (cache and
+    state donated). Every model program is keyed on its step's shapes alone; what the sampler is
+    asked for (log-probabilities, masks) selects a small program of its own."""
 
     def __init__(self, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None):
         self.key = (config, layout, kernels)
@@ -50,14 +52,11 @@ class StepPrograms:
         jit = partial(jax.jit, compiler_options=_compiler_options(kernels))
         self.forward = jit(partial(step_body, **bound), static_argnames=("all_logits", "decoder"),
                            donate_argnums=(1,))
-        self.sample = jit(partial(step_and_sample, **bound), static_argnames=("head",), donate_argnums=(1, 2))
-        self.verify = jit(partial(verify_step, **bound), static_argnames=("head",), donate_argnums=(1, 2))
-        # the verify step split in two where the host must see the drafts (structured output)
-        self.propose = jit(partial(propose_drafts, **bound))
-        self.check = jit(partial(check_drafts, **bound), static_argnames=("head",), donate_argnums=(1, 2))
-        # a decode step split in two (`device_step.step_logits` / `sample_logits`)
         self.logits = jit(partial(step_logits, **bound), donate_argnums=(1,))
         self.sample_logits = jit(sample_logits, static_argnames=("head",), donate_argnums=(1,))
+        self.propose = jit(partial(propose_drafts, **bound))
+        self.target = jit(partial(verify_target, **bound), donate_argnums=(1,))
+        self.accept = jit(accept_drafts, static_argnames=("head",), donate_argnums=(0, 1))
 
 
 def _compiler_options(kernels: KernelConfig | None) -> dict[str, str] | None:
@@ -116,6 +115,9 @@ def forward_step(params, config: ModelConfig, layout: CacheLayout, cache, batch,
 
 def engine_step(params, cache, state, batch, rows, *, config: ModelConfig, layout: CacheLayout,
                 kernels: KernelConfig | None = None, head: Sampler = Sampler()):
-    """`device_step.step_and_sample` (returns cache, state, samples, expert counts) compiled in
-    its family."""
-    return step_programs(config, layout, kernels).sample(params, cache, state, batch, rows, head=head)
+    """A sampling step (`device_step`: the model program, then `head`'s sampler program) in its
+    family; returns the cache, the sampling state, the rows' samples and the expert counts."""
+    family = step_programs(config, layout, kernels)
+    cache, logits, counts = family.logits(params, cache, state, batch, model_rows(rows))
+    state, out = family.sample_logits(logits, state, batch.slots, sampler_rows(rows), head=head)
+    return cache, state, out, counts

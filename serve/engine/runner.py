@@ -32,11 +32,12 @@ from deepinfer.model.kv_cache import CacheLayout, KVCache, init_cache, padded_sl
 from deepinfer.model.step import StepBatch
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine import sampling_state
+from deepinfer.serve.engine.device_step import model_rows
 from deepinfer.serve.engine.page_store import EvictedPages
 from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
-from deepinfer.serve.engine.speculative import DraftInputs, DraftProposal, VerifyOutput
+from deepinfer.serve.engine.speculative import DraftInputs, DraftProposal, VerifiedLogits, VerifyOutput
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -117,13 +118,15 @@ class _VerifyInputs:
 
 @dataclass(frozen=True)
 class ProposedDrafts:
-    """A verify step whose drafts exist (`ModelRunner.propose`) and are not verified yet:
-    `drafts [len(work), K]` on the host, in the work's order; the drafter's output stays on the
-    device for `ModelRunner.check`."""
+    """A verify step whose drafts exist and are verified (`ModelRunner.propose`) but not yet
+    accepted: `drafts [len(work), K]` on the host, in the work's order; the drafter's and the
+    target's outputs stay on the device for `ModelRunner.check`."""
 
     drafts: np.ndarray
     step: _VerifyInputs
     proposal: DraftProposal
+    verified: VerifiedLogits
+    counts: jax.Array
 
 
 @dataclass(frozen=True)
@@ -453,37 +456,38 @@ class ModelRunner:
 
     def verify(self, work: list[ChunkWork], page_table: np.ndarray, num_drafts: list[int],
                host_drafts: list[list[int] | None], *, tokens: int, sample: StepSampling) -> VerifyOutput:
-        """One DSpark verify step (`speculative.verify_step`) over decode rows (`work`: each
-        request's anchor), with `num_drafts` drafts each (the drafter's, or `host_drafts` where
-        not None), padded to all slots x `tokens` (the anchor and room for the most drafts);
-        waits for it and returns its `VerifyOutput` on the host, rows in `work`'s order."""
+        """One DSpark verify step (`speculative`: propose, target, accept) over decode rows
+        (`work`: each request's anchor), with `num_drafts` drafts each (the drafter's, or
+        `host_drafts` where not None), padded to all slots x `tokens` (the anchor and room for
+        the most drafts); waits for it and returns its `VerifyOutput` on the host, rows in
+        `work`'s order."""
         step = self._verify_inputs(work, page_table, num_drafts, host_drafts, tokens, sample)
         key = step_key("verify" + ("+masks" if sample.allowed is not None else ""), step.rows, tokens, step.pages,
                        False, True, step.head)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation("verify"):
-            self.cache, self.sampling, out, counts = self._programs.verify(self.params, self.cache, self.sampling,
-                                                                           *step.inputs, head=step.head)
+            proposal, verified, counts = self._propose_and_target(step)
+            out = self._accept(step, proposal, verified, None)
         self._record(key, start)
         return self._verified(out, counts, step.row_of)
 
     def propose(self, work: list[ChunkWork], page_table: np.ndarray, num_drafts: list[int],
                 host_drafts: list[list[int] | None], *, tokens: int, sample: StepSampling) -> ProposedDrafts:
-        """The first half of a verify step split in two (`speculative.propose_drafts`): the rows'
-        drafts, on the host, for `check` to verify under the masks the host builds from them."""
+        """A verify step whose acceptance waits for the host (`check`): the rows' drafts come
+        to the host, for the masks it builds from them, while the target verifies them."""
         step = self._verify_inputs(work, page_table, num_drafts, host_drafts, tokens, sample)
         key = step_key("verify/propose", step.rows, tokens, step.pages, False, True, None)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation("verify/propose"):
-            proposal = self._programs.propose(self.params, self.cache, self.sampling, *step.inputs)
+            proposal, verified, counts = self._propose_and_target(step)
             drafts = np.asarray(proposal.drafts)[step.row_of]
         self._record(key, start)
-        return ProposedDrafts(drafts, step, proposal)
+        return ProposedDrafts(drafts, step, proposal, verified, counts)
 
     def check(self, proposed: ProposedDrafts, masks: np.ndarray) -> VerifyOutput:
-        """The second half (`speculative.check_drafts`): verify `proposed` with each row's
-        structured-output bitmask per verify position (`masks i32[len(work), tokens, W]`, all
-        ones for unconstrained rows and positions); waits and returns the `VerifyOutput`."""
+        """Accept `proposed`'s drafts with each row's structured-output bitmask per verify
+        position (`masks i32[len(work), tokens, W]`, all ones for unconstrained rows and
+        positions); waits and returns the `VerifyOutput`."""
         step = proposed.step
         full = np.full((step.rows, *masks.shape[1:]), -1, np.int32)
         full[step.row_of] = masks
@@ -491,11 +495,26 @@ class ModelRunner:
         key = step_key("verify/check+masks", step.rows, T, step.pages, False, True, step.head)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation("verify/check"):
-            self.cache, self.sampling, out, counts = self._programs.check(
-                self.params, self.cache, self.sampling, *step.inputs, proposed.proposal, jnp.asarray(full),
-                head=step.head)
+            out = self._accept(step, proposed.proposal, proposed.verified, jnp.asarray(full))
         self._record(key, start)
-        return self._verified(out, counts, step.row_of)
+        return self._verified(out, proposed.counts, step.row_of)
+
+    def _propose_and_target(self, step: _VerifyInputs):
+        """Dispatch the drafter's and the target's programs of a verify step (cache donated to
+        the target's); returns the device's `DraftProposal`, `VerifiedLogits` and expert counts."""
+        batch, rows, drafts_in = step.inputs
+        programs = self._programs
+        proposal = programs.propose(self.params, self.cache, self.sampling, batch, model_rows(rows), drafts_in)
+        self.cache, verified, counts = programs.target(self.params, self.cache, batch, drafts_in, proposal)
+        return proposal, verified, counts
+
+    def _accept(self, step: _VerifyInputs, proposal, verified, masks):
+        """Dispatch a verify step's acceptance (cache and sampling state donated: the rollback,
+        the gained tokens counted); returns the device's `VerifyOutput`."""
+        batch, rows, drafts_in = step.inputs
+        self.cache, self.sampling, out = self._programs.accept(self.cache, self.sampling, batch, rows, drafts_in,
+                                                               proposal, verified, masks, head=step.head)
+        return out
 
     def _verified(self, out: VerifyOutput, counts, row_of: list[int]) -> VerifyOutput:
         out, counts = jax.device_get((out, counts))

@@ -1,22 +1,23 @@
-"""DSpark speculative decoding: draft, verify and accept in one device program
+"""DSpark speculative decoding: draft, verify and accept on the device
 (engine-features.md §2; the drafter: `model.drafter`; the acceptance rule: `acceptance.py`; the
 rollback: `model.rollback`).
 
 A verify row holds the request's anchor (its last sampled token, not in the cache yet) at
 position p and room for ℓ drafts at p+1 .. p+ℓ (0 <= ℓ <= `num_speculative_tokens`, chosen by
-the host; padding after). The program
+the host; padding after). A verify step runs three programs, one after the other on the device
+(the host waits for none of them):
 
-1. drafts: the drafter reads the row's context from its rings (positions < p) and proposes the
+1. drafts (`propose_drafts`): the drafter reads the row's context from its rings (positions < p) and proposes the
    block after the anchor, left to right through the Markov head: the argmax for greedy
    requests, a draw from q = the request's temperature and truncation applied to the drafter's
    logits for sampled ones (noise keyed by seed and position, `acceptance.DRAFT_STREAM`). Drafts
    the host proposed instead (`DraftInputs.host_drafts`: tests' oracle drafts) are certain
    (one-hot q). The drafts' Engram rows are hashed on the device (`hash_drafts`), so the host
    need not see a draft before it is accepted;
-2. verifies: the target runs over [anchor, drafts] (`model.step.verify_body`) and each position's
-   target distribution p is the request's own (logit bias, temperature, min-p, top-k, top-p:
+2. verifies: the target runs over [anchor, drafts] (`verify_target`: `model.step.verify_body`) and
+   each position's target distribution p is the request's own (logit bias, temperature, min-p, top-k, top-p:
    `sampler.process_logits` / `truncate`);
-3. accepts losslessly (`acceptance.accept`: min(1, p/q), a residual draw at the first rejection,
+3. accepts losslessly (`accept_drafts`, with the distributions of 2; `acceptance.accept`: min(1, p/q), a residual draw at the first rejection,
    the bonus token after the last draft; greedy rows keep the drafts equal to the target's argmax);
    the request gains the a accepted drafts and one more token, and the cache keeps the anchor and
    the accepted drafts (`roll_back` undoes the rest).
@@ -24,11 +25,14 @@ the host; padding after). The program
 A row with ℓ = 0 (a request that does not speculate) samples its one token with the plain
 sampler, exactly as a decode step does (same noise, logprobs when asked).
 
+Three programs rather than one so that the two models (drafter, target) are each compiled once
+per step shape, whatever the sampler is asked for: masks and log-probabilities select one of the
+small `accept_drafts` programs.
+
 Structured output: a constrained row's mask at each verify position depends on the drafts before
-it, which the host's grammar must read. A step with such a row therefore runs as two programs:
-`propose_drafts` (step 1), then the host builds one mask per position from the drafts without
-advancing the grammar (`serve.structured`), then `check_drafts` (steps 2 and 3) applies them to the
-target's logits: a draft the grammar forbids has p = 0 and is rejected like any other, and the
+it, which the host's grammar must read. In a step with such a row the host reads the drafts after
+`propose_drafts` and builds one mask per position without advancing the grammar
+(`serve.structured`) while the target runs; `accept_drafts` applies them to the target's logits: a draft the grammar forbids has p = 0 and is rejected like any other, and the
 correction or bonus token is drawn under its own position's mask. Acceptance stays lossless: the
 drafts are still drawn from the (unmasked) drafter's q.
 
@@ -51,7 +55,7 @@ from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import draft_block
 from deepinfer.model.engram_hash_device import hash_drafts
 from deepinfer.model.kv_cache import CacheLayout, KVCache
-from deepinfer.model.rollback import roll_back
+from deepinfer.model.rollback import Undo, roll_back
 from deepinfer.model.step import StepBatch, verify_body
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine.acceptance import DRAFT_STREAM, accept, stream_keys
@@ -60,8 +64,8 @@ from deepinfer.serve.engine.sampler import (SampleOutput, SampleRows, Sampler, a
 from deepinfer.serve.engine.sampling_state import SamplingState
 from deepinfer.serve.engine.types import SamplingParams
 
-__all__ = ["DraftInputs", "DraftProposal", "SpecDecodeCounts", "SpeculativeConfig", "VerifyOutput", "check_drafts",
-           "propose_drafts", "speculatable", "verify_step"]
+__all__ = ["DraftInputs", "DraftProposal", "SpecDecodeCounts", "SpeculativeConfig", "VerifiedLogits", "VerifyOutput",
+           "accept_drafts", "propose_drafts", "speculatable", "verify_target"]
 
 METHODS = ("dspark",)
 KEYS = ("method", "num_speculative_tokens", "enable_adaptive_verification")
@@ -202,8 +206,8 @@ def propose_drafts(params: dict, cache: KVCache, state: SamplingState, batch: St
                    drafts_in: DraftInputs, *, config: ModelConfig, layout: CacheLayout,
                    kernels: KernelConfig | None = None) -> DraftProposal:
     """Step 1 of the module docstring: each row's drafts after its anchor (the cache is only
-    read). Its own program where the host must see the drafts before they are verified
-    (structured output: `check_drafts`' per-position masks)."""
+    read). Returns the `DraftProposal` (read by the host where structured output masks the
+    verify positions from the drafts: `accept_drafts`)."""
     K = batch.tokens.shape[1] - 1
     settings = slot_settings(state, batch.slots)
     random = settings["temperature"] > 0
@@ -237,18 +241,45 @@ def propose_drafts(params: dict, cache: KVCache, state: SamplingState, batch: St
     return DraftProposal(drafts, q, block["confidence"])
 
 
-def check_drafts(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
-                 drafts_in: DraftInputs, proposal: DraftProposal, masks: jax.Array | None = None, *,
-                 config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None = None,
-                 head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, VerifyOutput, jax.Array]:
-    """Steps 2 and 3 of the module docstring over `proposal`'s drafts. `masks i32[B, K+1,
-    ceil(V / 32)]` (None: no row constrained): each verify position's structured-output bitmask
-    (position j: the grammar after the anchor and drafts 1..j), applied to the target's logits
-    before anything else, so a draft the grammar forbids has p = 0 and is rejected, and the
-    correction or bonus token is drawn under its position's mask. Returns what `verify_step`
-    does."""
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class VerifiedLogits:
+    """The target's side of a verify step (`verify_target`): fp32 `logits [B, K+1, V]` at the
+    anchor and every draft, and the `Undo` that rolls the cache back to the accepted tokens."""
+
+    logits: jax.Array
+    undo: Undo
+
+
+def verify_target(params: dict, cache: KVCache, batch: StepBatch, drafts_in: DraftInputs, proposal: DraftProposal,
+                  *, config: ModelConfig, layout: CacheLayout,
+                  kernels: KernelConfig | None = None) -> tuple[KVCache, VerifiedLogits, jax.Array]:
+    """Step 2 of the module docstring, the model part: the target over [anchor, drafts] of each
+    row (its drafts' Engram rows hashed on the device). Returns the cache with every verified
+    token written, the `VerifiedLogits` and the routed-token counts (of every verified token)."""
+    K = batch.tokens.shape[1] - 1
+    drafts = proposal.drafts
+    verified = jnp.arange(K)[None, :] < drafts_in.num_drafts[:, None]
+    hash_ids = batch.hash_ids
+    if hash_ids is not None and drafts_in.folds is not None:
+        hash_ids = hash_ids.at[:, 1:].set(hash_drafts(config, drafts, drafts_in.folds))
+    batch = dataclasses.replace(batch, tokens=batch.tokens.at[:, 1:].set(jnp.where(verified, drafts, 0)),
+                                hash_ids=hash_ids)
+    cache, logits, counts, undo = verify_body(params, cache, batch, config=config, layout=layout, kernels=kernels)
+    return cache, VerifiedLogits(logits, undo), counts
+
+
+def accept_drafts(cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows, drafts_in: DraftInputs,
+                  proposal: DraftProposal, verified: VerifiedLogits, masks: jax.Array | None = None, *,
+                  head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, VerifyOutput]:
+    """Step 2's distributions and step 3 of the module docstring over `verify_target`'s logits.
+    `masks i32[B, K+1, ceil(V / 32)]` (None: no row constrained): each verify position's
+    structured-output bitmask (position j: the grammar after the anchor and drafts 1..j), applied
+    to the target's logits before anything else, so a draft the grammar forbids has p = 0 and is
+    rejected, and the correction or bonus token is drawn under its position's mask. Returns the
+    rolled-back cache, the sampling state (every gained token counted, `last_token` the newest)
+    and the `VerifyOutput`."""
     B, T = batch.tokens.shape
-    K = T - 1
     slots, num, drafts = batch.slots, drafts_in.num_drafts, proposal.drafts
     settings = slot_settings(state, slots)
     random = settings["temperature"] > 0
@@ -257,14 +288,7 @@ def check_drafts(params: dict, cache: KVCache, state: SamplingState, batch: Step
     anchor_pos = batch.positions[:, 0]
     any_sampled = jnp.any(drafting & random)
 
-    verified = jnp.arange(K)[None, :] < num[:, None]
-    hash_ids = batch.hash_ids
-    if hash_ids is not None and drafts_in.folds is not None:
-        hash_ids = hash_ids.at[:, 1:].set(hash_drafts(config, drafts, drafts_in.folds))
-    batch = dataclasses.replace(batch, tokens=batch.tokens.at[:, 1:].set(jnp.where(verified, drafts, 0)),
-                                hash_ids=hash_ids)
-    cache, logits, counts, undo = verify_body(params, cache, batch, config=config, layout=layout, kernels=kernels)
-    logits = jax.lax.optimization_barrier(logits)
+    logits = verified.logits
     V = logits.shape[-1]
     if masks is not None:  # (the plain sampler below then reads masked logits too)
         logits = apply_bitmask(logits.reshape(B * T, V), masks.reshape(B * T, -1)).reshape(B, T, V)
@@ -292,7 +316,7 @@ def check_drafts(params: dict, cache: KVCache, state: SamplingState, batch: Step
     gained = jnp.where(idx < accepted[:, None], padded, next_token[:, None])
     gained = jnp.where(drafting[:, None], gained, first.tokens[:, None]).astype(jnp.int32)
     count = jnp.where(drafting, accepted + 1, 1).astype(jnp.int32)
-    cache = roll_back(cache, undo, slots, batch.positions, count)
+    cache = roll_back(cache, verified.undo, slots, batch.positions, count)
 
     # the state counts every token a drafting row gained (the plain sampler counted the others)
     S = state.num_output.shape[0]
@@ -304,20 +328,4 @@ def check_drafts(params: dict, cache: KVCache, state: SamplingState, batch: Step
         output_counts=state.output_counts.at[at, gained].add(1, mode="drop"))
     out = VerifyOutput(gained, first, count, jnp.where(drafting, accepted, 0).astype(jnp.int32), drafts,
                        proposal.confidence)
-    return cache, state, out, counts
-
-
-def verify_step(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
-                drafts_in: DraftInputs, *, config: ModelConfig, layout: CacheLayout,
-                kernels: KernelConfig | None = None,
-                head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, VerifyOutput, jax.Array]:
-    """One verify step (module docstring): `propose_drafts` then `check_drafts` in one program.
-    `batch` rows: the anchor, then ℓ placeholders for the drafts (`positions` p .. p+ℓ,
-    `last_index` ℓ); `rows`: the sampler's rows for the anchor (a constrained row, which drafts
-    nothing here, samples under `rows.allowed`); `drafts_in`: ℓ per row and host drafts.
-    Returns the rolled-back cache, the sampling state (every gained token counted,
-    `last_token` the newest), the `VerifyOutput` and the routed-token counts (of every verified
-    token)."""
-    bound = dict(config=config, layout=layout, kernels=kernels)
-    proposal = propose_drafts(params, cache, state, batch, rows, drafts_in, **bound)
-    return check_drafts(params, cache, state, batch, rows, drafts_in, proposal, **bound, head=head)
+    return cache, state, out

@@ -4,8 +4,9 @@ The runner pads each step to a shape bucket (`runner.py`): prefill chunks are ro
 page-count buckets (rows x tokens within the engine's `max_num_batched_tokens`, several rows only
 of GRANULE-token chunks: `scheduler.py`), with or without the decoder layers (compact prefill
 runs chunks wholly below a prompt's replay floor encoder-only); decode runs all slots x 1 token x a page-count bucket. A
-step with the decoder samples on the device, every kind of sampling in one program (a request
-asking for logprobs compiles a second one on first use). The first request that needs a new
+step with the decoder samples on the device: the model's program of the shape, then a small
+sampler program (a request asking for logprobs compiles a second sampler on first use, in a
+fraction of a second: `device_step.py`). The first request that needs a new
 bucket waits for its compilation (tens of seconds for a real model), which looks like a hang;
 `warm_up` runs each bucket once on dummy tokens instead, while the engine is idle.
 

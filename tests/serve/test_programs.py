@@ -54,9 +54,14 @@ def fake_body(params, cache, batch, *, config, layout, kernels=None, all_logits=
     return cache, logits, _counts(config)
 
 
-def fake_sample(params, cache, state, batch, rows, *, config, layout, kernels=None, head=None):
-    """Stands in for `device_step.step_and_sample`: samples each row's first token."""
-    return cache, state, SampleOutput(tokens=batch.tokens[:, 0]), _counts(config)
+def fake_logits(params, cache, state, batch, rows, *, config, layout, kernels=None):
+    """Stands in for `device_step.step_logits`: each row's first token as its logits."""
+    return cache, jnp.zeros((batch.tokens.shape[0], 8), jnp.float32) + batch.tokens[:, :1], _counts(config)
+
+
+def fake_sample(logits, state, slots, rows, *, head=None):
+    """Stands in for `device_step.sample_logits`: samples what `fake_logits` put there."""
+    return state, SampleOutput(tokens=logits[:, 0].astype(jnp.int32))
 
 
 def test_the_runner_runs_both_kinds_of_step_in_its_family(fresh, monkeypatch):
@@ -64,7 +69,8 @@ def test_the_runner_runs_both_kinds_of_step_in_its_family(fresh, monkeypatch):
     in the runner's own family; the module-level jit of `model.step` compiles nothing; the
     family is freed with the runner under map pressure."""
     monkeypatch.setattr(programs, "step_body", fake_body)
-    monkeypatch.setattr(programs, "step_and_sample", fake_sample)
+    monkeypatch.setattr(programs, "step_logits", fake_logits)
+    monkeypatch.setattr(programs, "sample_logits", fake_sample)
     config = load_config("tiny-v4.1")
     layout = CacheLayout(2, 128, 4, 2)
     runner = ModelRunner(init_params(config, seed=0), config, layout)
@@ -76,7 +82,7 @@ def test_the_runner_runs_both_kinds_of_step_in_its_family(fresh, monkeypatch):
     assert out.tokens.tolist() == [9]
     assert runner.run([ChunkWork(0, np.arange(1, 129, dtype=np.int32), 0, np.zeros(0, np.int32), floor=200)],
                       table, rows=1, tokens=128, decoder=False) is None
-    assert family.sample._cache_size() == 1 and family.forward._cache_size() == 1
+    assert family.logits._cache_size() == family.sample_logits._cache_size() == family.forward._cache_size() == 1
     assert model_step.forward_step._cache_size() == module_level
     gone = weakref.ref(family)
     del runner, family

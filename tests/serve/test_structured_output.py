@@ -197,7 +197,7 @@ def test_synchronous_and_asynchronous_scheduling_agree(model, mixed):
 
 
 def test_dspark_verifies_constrained_drafts_under_a_mask_per_position(model, mixed):
-    """Constrained requests speculate: each verify step runs as two programs, the drafts come to
+    """Constrained requests speculate: in each verify step the drafts come to
     the host and each grammar masks every verify position from the drafts before it. With the
     (random) drafter's own drafts, greedy outputs equal plain decoding and sampled ones are
     valid; the step kinds show the split."""
