@@ -16,6 +16,8 @@ import os
 
 import pytest
 
+# (the events of tests/serve/compilations.py, named here: importing it would import the engine,
+# and so JAX, before tests/conftest.py has set up the platform)
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 _TRACE = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
 _HIT = "/jax/compilation_cache/cache_hits"
@@ -71,7 +73,8 @@ def summary(directory: str, top: int = 30) -> list[str]:
     total = [sum(r[i] for r in modules.values()) for i in range(3)]
     lines = [f"worker seconds {total[0]:.0f}: XLA compile {total[1]:.0f}, trace + lower {total[2]:.0f}"]
     for name, (wall, compile_s, trace, hits, tests) in sorted(modules.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"{wall:7.0f} s  compile {compile_s:6.0f}  trace {trace:5.0f}  hits {hits:4d}  tests {tests:4d}  {name}")
+        lines.append(f"{wall:7.0f} s  compile {compile_s:6.0f}  trace {trace:5.0f}  hits {hits:4d}"
+                     f"  tests {tests:4d}  {name}")
     return lines
 
 

@@ -7,20 +7,20 @@ position p and room for ℓ drafts at p+1 .. p+ℓ (0 <= ℓ <= `num_speculative
 the host; padding after). A verify step runs three programs, one after the other on the device
 (the host waits for none of them):
 
-1. drafts (`propose_drafts`): the drafter reads the row's context from its rings (positions < p) and proposes the
-   block after the anchor, left to right through the Markov head: the argmax for greedy
-   requests, a draw from q = the request's temperature and truncation applied to the drafter's
+1. drafts (`propose_drafts`): the drafter reads the row's context from its rings (positions < p)
+   and proposes the block after the anchor, left to right through the Markov head: the argmax
+   for greedy requests, a draw from q = the request's temperature and truncation applied to the drafter's
    logits for sampled ones (noise keyed by seed and position, `acceptance.DRAFT_STREAM`). Drafts
    the host proposed instead (`DraftInputs.host_drafts`: tests' oracle drafts) are certain
    (one-hot q). The drafts' Engram rows are hashed on the device (`hash_drafts`), so the host
    need not see a draft before it is accepted;
-2. verifies: the target runs over [anchor, drafts] (`verify_target`: `model.step.verify_body`) and
-   each position's target distribution p is the request's own (logit bias, temperature, min-p, top-k, top-p:
-   `sampler.process_logits` / `truncate`);
-3. accepts losslessly (`accept_drafts`, with the distributions of 2; `acceptance.accept`: min(1, p/q), a residual draw at the first rejection,
-   the bonus token after the last draft; greedy rows keep the drafts equal to the target's argmax);
-   the request gains the a accepted drafts and one more token, and the cache keeps the anchor and
-   the accepted drafts (`roll_back` undoes the rest).
+2. verifies: the target runs over [anchor, drafts] (`verify_target`: `model.step.verify_body`)
+   and each position's target distribution p is the request's own (logit bias, temperature,
+   min-p, top-k, top-p: `sampler.process_logits` / `truncate`, computed in `accept_drafts`);
+3. accepts losslessly (`accept_drafts`; `acceptance.accept`: min(1, p/q), a residual draw at the
+   first rejection, the bonus token after the last draft; greedy rows keep the drafts equal to
+   the target's argmax); the request gains the a accepted drafts and one more token, and the
+   cache keeps the anchor and the accepted drafts (`roll_back` undoes the rest).
 
 A row with ℓ = 0 (a request that does not speculate) samples its one token with the plain
 sampler, exactly as a decode step does (same noise, logprobs when asked).
@@ -32,8 +32,9 @@ small `accept_drafts` programs.
 Structured output: a constrained row's mask at each verify position depends on the drafts before
 it, which the host's grammar must read. In a step with such a row the host reads the drafts after
 `propose_drafts` and builds one mask per position without advancing the grammar
-(`serve.structured`) while the target runs; `accept_drafts` applies them to the target's logits: a draft the grammar forbids has p = 0 and is rejected like any other, and the
-correction or bonus token is drawn under its own position's mask. Acceptance stays lossless: the
+(`serve.structured`) while the target runs; `accept_drafts` applies them to the target's
+logits: a draft the grammar forbids has p = 0 and is rejected like any other, and the correction
+or bonus token is drawn under its own position's mask. Acceptance stays lossless: the
 drafts are still drawn from the (unmasked) drafter's q.
 
 What is built: fixed-k and confidence-scheduled verification (the host chooses the step's
