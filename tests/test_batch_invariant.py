@@ -91,7 +91,7 @@ def test_window_by_offset_holds_the_keys_the_window_mask_admits():
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = load_config("tiny-v4.1")
+    config = load_config("tiny-v4.1-short")
     return config, init_params(config, seed=3)
 
 

@@ -26,7 +26,7 @@ DRAFTS = 5
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1")  # fake-quant on, packed rows: as served
+    config = load_config("tiny-v4.1-short")  # fake-quant on, packed rows: as served
     params = init_params(config, seed=3)
     pages = -(-(max(PROMPTS) + DRAFTS + 2) // PAGE)
     layout = CacheLayout(num_slots=3, page_size=PAGE, num_pages=3 * pages, max_pages_per_slot=pages, storage=PACKED)

@@ -20,7 +20,7 @@ from deepinfer.model.params import FP4, FP8, FP8_ROWS, param_specs, tree_get
 from deepinfer.sharding import AXES, logical_to_spec, make_mesh, mesh_placement, param_sharding, params_shardings, parse_mesh_spec
 from tests import qat_sites
 
-CFG = load_config("tiny-v4.1", dtype="float32", fake_quant=False)
+CFG = load_config("tiny-v4.1-short", dtype="float32", fake_quant=False)
 CFG_FQ = dataclasses.replace(CFG, fake_quant=True)
 D, F, E, V = CFG.hidden_size, CFG.moe_intermediate_size, CFG.n_routed_experts, CFG.vocab_size
 # longer than the window (128), the candidate pool (64 positions) and both top-k budgets

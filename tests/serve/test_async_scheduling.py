@@ -29,7 +29,7 @@ FIRST_WAVE = 10  # the others arrive one by one as the engine's read tokens pass
 def model():
     # compact prefill (the default: encoder-only passes run deferred too); without fake-quant,
     # whose programs take twice as long to compile
-    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32")
+    config = load_config("tiny-v4.1-short", fake_quant=False, dtype="float32")
     return config, init_params(config, seed=5), load_tokenizer()
 
 

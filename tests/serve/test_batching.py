@@ -40,7 +40,7 @@ def test_scheduler_stays_within_the_budget_and_admits_bursts_in_few_steps():
     """Host-only: random bursts on random layouts and budgets; the simulated steps advance
     requests as the engine does (a chunk is computed, a finished prefill decodes `out` tokens)."""
     rng = random.Random(0)
-    config = load_config("tiny-v4.1")
+    config = load_config("tiny-v4.1-short")
     for case in range(150):
         slots, dp = rng.choice([(4, 1), (8, 1), (32, 1), (8, 2)])
         page_size, max_len = 128, rng.choice([1024, 2048])
@@ -74,7 +74,7 @@ def test_scheduler_stays_within_the_budget_and_admits_bursts_in_few_steps():
 def test_a_tiny_budget_is_rejected_with_its_name():
     layout = CacheLayout(8, 128, 64, 8)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(100\).*at least 135"):
-        Scheduler(CacheManager(load_config("tiny-v4.1"), layout), max_num_batched_tokens=100)
+        Scheduler(CacheManager(load_config("tiny-v4.1-short"), layout), max_num_batched_tokens=100)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be at least 128"):
         EngineConfig(max_num_batched_tokens=64)
 

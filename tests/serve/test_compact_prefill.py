@@ -30,7 +30,7 @@ BUDGET = CacheBudget(num_slots=4, max_model_len=ONE_CHUNK, page_size=ONE_CHUNK)
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32")
+    config = load_config("tiny-v4.1-short", fake_quant=False, dtype="float32")
     return config, init_params(config, seed=5), load_tokenizer()
 
 

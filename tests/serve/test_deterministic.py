@@ -43,7 +43,7 @@ def _fresh_programs():
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1")
+    config = load_config("tiny-v4.1-short")
     return config, init_params(config, seed=0), load_tokenizer()
 
 

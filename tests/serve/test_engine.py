@@ -18,7 +18,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32")
+    config = load_config("tiny-v4.1-short", fake_quant=False, dtype="float32")
     return config, init_params(config, seed=3), load_tokenizer()
 
 

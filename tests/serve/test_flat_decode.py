@@ -33,7 +33,7 @@ def _random_pool(rng, array: jax.Array) -> jax.Array:
 
 
 def test_long_context_decode_reads_selected_rows_and_equals_reading_every_page():
-    config = load_config("tiny-v4.1")  # fake-quant on: FP8/FP4 packed rows, as served
+    config = load_config("tiny-v4.1-short")  # fake-quant on: FP8/FP4 packed rows, as served
     params = init_params(config, seed=5)
     pages = -(-max(CONTEXT) // PAGE) + 1
     layout = CacheLayout(num_slots=2, page_size=PAGE, num_pages=2 * pages + 6, max_pages_per_slot=pages,
@@ -92,7 +92,7 @@ def test_decode_rows_carry_constant_host_work_whatever_the_context(lengths, monk
     never the sequence's history: a decode row at 700 tokens costs the host what one at 9 does."""
     from deepinfer.model.tokenizer import load_tokenizer
 
-    config = load_config("tiny-v4.1")
+    config = load_config("tiny-v4.1-short")
     params = init_params(config, seed=1)
     budget = CacheBudget(num_slots=2, max_model_len=768, page_size=64)
     engine = LLMEngine(params, config, load_tokenizer(), EngineConfig(budget=budget, prefill_chunk=256,

@@ -41,7 +41,7 @@ TOKEN = "test-token-0123456789"
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1", fake_quant=True)
+    config = load_config("tiny-v4.1-short", fake_quant=True)
     return config, init_params(config, seed=0), load_tokenizer()
 
 

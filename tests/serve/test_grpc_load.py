@@ -38,7 +38,7 @@ BUDGET = CacheBudget(num_slots=8, max_model_len=256, page_size=64)
 
 @pytest.fixture(scope="module")
 def server():
-    config = load_config("tiny-v4.1", fake_quant=True)
+    config = load_config("tiny-v4.1-short", fake_quant=True)
     engine = LLMEngine(init_params(config, seed=0), config, load_tokenizer(),
                        EngineConfig(budget=BUDGET, prefill_chunk=128))
     # compile every shape the load can reach (prompt + output within one page: prefill of 1, 2, 4

@@ -32,7 +32,7 @@ class FakeClock:
 
 
 def manager(clock, num_pages=8, num_slots=4):
-    config = load_config("tiny-v4.1")
+    config = load_config("tiny-v4.1-short")
     budget = CacheBudget(num_slots=num_slots, max_model_len=8 * PAGE, page_size=PAGE, num_pages=num_pages)
     return CacheManager(config, make_layout(config, budget), PrefixCacheConfig(clock=clock))
 
@@ -130,7 +130,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32")
+    config = load_config("tiny-v4.1-short", fake_quant=False, dtype="float32")
     return config, init_params(config, seed=3), load_tokenizer()
 
 

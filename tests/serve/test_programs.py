@@ -28,7 +28,7 @@ def fresh(monkeypatch):
 
 
 def test_one_family_per_configuration_released_only_under_map_pressure(fresh):
-    config = load_config("tiny-v4.1")
+    config = load_config("tiny-v4.1-short")
     a, b = CacheLayout(4, 128, 16, 4), CacheLayout(8, 128, 32, 4)
     first = programs.step_programs(config, a, None)
     assert programs.step_programs(config, a, None) is first  # shared by the engines of `a`
@@ -71,7 +71,7 @@ def test_the_runner_runs_both_kinds_of_step_in_its_family(fresh, monkeypatch):
     monkeypatch.setattr(programs, "step_body", fake_body)
     monkeypatch.setattr(programs, "step_logits", fake_logits)
     monkeypatch.setattr(programs, "sample_logits", fake_sample)
-    config = load_config("tiny-v4.1")
+    config = load_config("tiny-v4.1-short")
     layout = CacheLayout(2, 128, 4, 2)
     runner = ModelRunner(init_params(config, seed=0), config, layout)
     family, module_level = runner._programs, model_step.forward_step._cache_size()

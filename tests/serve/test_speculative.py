@@ -26,7 +26,7 @@ BUDGET = CacheBudget(num_slots=8, max_model_len=1024, page_size=256)
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32")
+    config = load_config("tiny-v4.1-short", fake_quant=False, dtype="float32")
     return config, init_params(config, seed=5), load_tokenizer()
 
 

@@ -29,7 +29,7 @@ def _ids(n=PROMPT_LEN, seed=11):
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32")
+    config = load_config("tiny-v4.1-short", fake_quant=False, dtype="float32")
     return config, init_params(config, seed=3)
 
 

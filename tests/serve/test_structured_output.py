@@ -84,7 +84,7 @@ def _fresh_programs():
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32")
+    config = load_config("tiny-v4.1-short", fake_quant=False, dtype="float32")
     return config, init_params(config, seed=5), load_tokenizer()
 
 

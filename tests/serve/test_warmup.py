@@ -34,7 +34,7 @@ BUDGET = CacheBudget(num_slots=4, max_model_len=1024, page_size=64)
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1", fake_quant=True)
+    config = load_config("tiny-v4.1-short", fake_quant=True)
     return config, init_params(config, seed=0), load_tokenizer()
 
 

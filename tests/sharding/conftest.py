@@ -9,6 +9,6 @@ from deepinfer.model import init_params, load_config, write_checkpoint
 def checkpoint(tmp_path_factory):
     """A tiny-v4.1 checkpoint in the official format (random weights), written once per module."""
     directory = tmp_path_factory.mktemp("tiny")
-    config = load_config("tiny-v4.1", dtype="float32")
+    config = load_config("tiny-v4.1-short", dtype="float32")
     write_checkpoint(init_params(config, seed=7), config, str(directory))
     return str(directory)
