@@ -162,7 +162,7 @@ def test_expert_leaf_spec(mesh, want, proj):
 
 @pytest.mark.parametrize("mesh", MESHES)
 def test_experts_are_split_over_all_devices(placed, mesh):
-    for layer in (0, 5, CFG.num_hidden_layers - 1):
+    for layer in (0, CFG.decoder_start, CFG.num_hidden_layers - 1):
         for proj, shape in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F))):
             leaf = placed[mesh]["layers"][layer]["ffn"]["experts"][proj]
             assert leaf.shape == (E, *shape)

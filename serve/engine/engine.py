@@ -175,6 +175,12 @@ class LLMEngine:
         layout = make_layout(config, engine_config.budget, dp=1 if mesh is None else mesh.shape["dp"],
                              draft_rings=draft_rings)
         prefix = engine_config.prefix_cache
+        late_engram = [layer for layer in config.engram_layer_ids if layer >= config.decoder_start]
+        if prefix is not None and prefix.replay == "exact" and engine_config.prefill_mode == "compact" and late_engram:
+            # below the compact floor a decoder layer's Engram gate is shut, so the KV its layer
+            # sources would depend on where the floor was, not on the tokens alone
+            raise ValueError(f"prefix_cache: exact replay with compact prefill needs every Engram layer before the "
+                             f"first decoder layer ({config.decoder_start}); engram_layer_ids has {late_engram}")
         if prefix is not None and (prefix.host_pages or prefix.disk_dir) and mesh is not None:
             raise ValueError("prefix_cache: the host and disk tiers run on one device for now (no mesh)")
         weights = params_fingerprint(params) if prefix is not None and prefix.disk_dir else b""

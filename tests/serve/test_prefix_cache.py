@@ -1,12 +1,14 @@
 """The prefix cache (`serve/engine/prefix_cache.py`) through the cache manager and the engine.
 
 Bookkeeping without a model: chain hashes, reference counts, eviction by TTL deadline and the
-TTL classes on a fake clock. Through the engine (tiny-v4.1, float32, fake-quant off so that
+TTL classes on a fake clock. Through the engine (tiny-v4.1-short, float32, fake-quant off so that
 rounding is the only difference between two programs): a second turn computes exactly its new
 tokens plus the 128-token replay and never rewrites the pages it shares; exact replay reproduces
 the cold run; 16 prompts with one 2K prefix compute and hold it once; a request diverging
 mid-page gets its own copy of that page; aborts and preemption leak nothing.
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -190,9 +192,20 @@ def test_second_turn_computes_its_new_tokens_and_the_replay_only(model):
         results[replay] = out["t2"].outputs[0]
         no_leaks(engine)
     assert engine_for(model, "bounded").scheduler.replay_tokens == 128
-    # exact replay (1,271 tokens of window halo, from 512): the cold run's predictions, up to the
+    # exact replay (636 tokens of window halo, from 1,152): the cold run's predictions, up to the
     # rounding of other chunk boundaries (measured: 4e-6)
     assert_same_predictions(results["exact"], cold["t2"].outputs[0], tol=1e-4)
+
+
+def test_exact_replay_refuses_engram_in_a_decoder_layer(model):
+    """No release has one (V4.1: Engram in layers 1 and 14, decoder from 20); with Engram in layer 3
+    (this preset's first decoder layer) exact replay measured 2.8e-3 from the cold run, not 4e-6."""
+    config, params, tokenizer = model
+    late = dataclasses.replace(config, engram_layer_ids=(0, config.decoder_start))
+    with pytest.raises(ValueError, match=r"exact replay with compact prefill .* engram_layer_ids has \[3\]"):
+        LLMEngine(params, late, tokenizer, EngineConfig(budget=BUDGET, prefix_cache=PrefixCacheConfig(replay="exact")))
+    LLMEngine(params, late, tokenizer, EngineConfig(budget=BUDGET, prefix_cache=PrefixCacheConfig(replay="exact"),
+                                                    prefill_mode="full"))
 
 
 def test_sixteen_prompts_with_one_2k_prefix_hold_it_once(model):

@@ -86,7 +86,7 @@ def test_eplb_installs_layouts_between_steps_without_changing_outputs(model, sin
     load = engine.runner.expert_load
     logical = imbalance(device_load(load, np.tile(np.arange(8), (load.shape[0], 1)), np.ones_like(load), 8))
     planned = imbalance(device_load(load, *engine.balancer.plan(load)[::2], 8))
-    print(f"\nEPLB on the engine's counted load (tiny-v4.1, {load.sum()} routed pairs): max/mean device load "
+    print(f"\nEPLB on the engine's counted load (tiny-v4.1-short, {load.sum()} routed pairs): max/mean device load "
           f"{logical.max():.3f} -> {planned.max():.3f} (worst layer), {logical.mean():.3f} -> {planned.mean():.3f} (mean)")
     assert planned.max() < logical.max()
 
