@@ -16,7 +16,7 @@ from deepinfer.sharding import make_mesh
 
 @pytest.fixture(scope="module")
 def model():
-    config = load_config("tiny-v4.1", fake_quant=False, dtype="float32", n_routed_experts=6,
+    config = load_config("tiny-v4.1-short", fake_quant=False, dtype="float32", n_routed_experts=6,
                          dspark_n_routed_experts=6)
     return config, init_params(config, seed=3)
 
@@ -61,7 +61,7 @@ def test_padded_cp_prefill_then_decode_equal_the_full_forward(model, cp, chunks)
 
 
 def test_drafter_experts_that_do_not_split_are_named(model):
-    """tiny-v4.1's drafter keeps 8 experts: over cp=3 that is a clear error naming the drafter's
+    """tiny-v4.1-short's drafter keeps 8 experts: over cp=3 that is a clear error naming the drafter's
     weights (the layers' 6 experts would split)."""
     config, _ = model
     import dataclasses
