@@ -81,9 +81,9 @@ def _permute(a: np.ndarray, slots: np.ndarray, num_tokens: int) -> np.ndarray:
 
 
 @partial(jax.jit, static_argnames=("config", "mesh", "kernels"))
-def _forward_cp_jit(params: dict, token_ids: jax.Array, positions: jax.Array, hash_ids: jax.Array | None, *,
-                    config: ModelConfig, mesh: Mesh, kernels: KernelConfig | None) -> jax.Array:
-    """Rank-major `[B, Tp]` inputs -> rank-major fp32 logits `[B, Tp, vocab]` (token axis
+def forward_cp_program(params: dict, token_ids: jax.Array, positions: jax.Array, hash_ids: jax.Array | None, *,
+                       config: ModelConfig, mesh: Mesh, kernels: KernelConfig | None = None) -> jax.Array:
+    """Rank-major `[B, Tp]` inputs (`cp_inputs`) -> rank-major fp32 logits `[B, Tp, vocab]` (token axis
     sharded over "cp"; the caller un-permutes on the host, which moves no logits between devices)."""
     cp = mesh.shape[CP_AXIS]
     seq = ZigzagShards(cp)
@@ -99,13 +99,25 @@ def _forward_cp_jit(params: dict, token_ids: jax.Array, positions: jax.Array, ha
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tokens)(*args)
 
 
+def cp_inputs(config: ModelConfig, token_ids: np.ndarray, cp: int) -> tuple[tuple, np.ndarray]:
+    """The rank-major inputs of `forward_cp_program` for prompts `token_ids [B, T]` (token ids,
+    positions, Engram hash ids or None: computed on the host from the unpermuted prompts, then
+    permuted with them), and `order`: `logits[:, order]` is the program's output in natural order."""
+    ids = np.asarray(token_ids)
+    B, T = ids.shape
+    slots, positions = cp_layout(T, cp)
+    hash_ids = engram_hash_ids(config, ids)
+    inputs = (jnp.asarray(_permute(ids.astype(np.int32), slots, T)),
+              jnp.asarray(np.broadcast_to(positions.astype(np.int32), (B, len(slots)))),
+              None if hash_ids is None else jnp.asarray(_permute(hash_ids.astype(np.int32), slots, T)))
+    return inputs, np.argsort(slots)[:T]
+
+
 def forward_cp(params: dict, config: ModelConfig, token_ids, mesh: Mesh, *,
                kernels: KernelConfig | None = None) -> np.ndarray:
     """Logits of whole sequences (`[T]` or `[B, T]`, positions from 0) with the token axis split
     over the mesh's "cp" axis; params replicated. Returns numpy fp32 `[B, T, vocab]` (`[T, vocab]`
     for 1-D input) in natural order, equal to `model.forward.forward` up to summation order.
-
-    Engram hash ids are computed on the host from the unpermuted prompt, then permuted with it.
     The result is fetched to the host, which also blocks (CPU collectives must not queue up)."""
     ids = np.asarray(token_ids)
     squeeze = ids.ndim == 1
@@ -113,13 +125,7 @@ def forward_cp(params: dict, config: ModelConfig, token_ids, mesh: Mesh, *,
         ids = ids[None]
     if CP_AXIS not in mesh.shape:
         raise ValueError(f"forward_cp needs a mesh with a {CP_AXIS!r} axis, got axes {tuple(mesh.shape)}")
-    B, T = ids.shape
-    slots, positions = cp_layout(T, mesh.shape[CP_AXIS])
-    hash_ids = engram_hash_ids(config, ids)
-    logits = _forward_cp_jit(
-        params, jnp.asarray(_permute(ids.astype(np.int32), slots, T)),
-        jnp.asarray(np.broadcast_to(positions.astype(np.int32), (B, len(slots)))),
-        None if hash_ids is None else jnp.asarray(_permute(hash_ids.astype(np.int32), slots, T)),
-        config=config, mesh=mesh, kernels=kernels)
-    out = np.asarray(logits)[:, np.argsort(slots)[:T]]
+    inputs, order = cp_inputs(config, ids, mesh.shape[CP_AXIS])
+    logits = forward_cp_program(params, *inputs, config=config, mesh=mesh, kernels=kernels)
+    out = np.asarray(logits)[:, order]
     return out[0] if squeeze else out

@@ -11,9 +11,9 @@ So one side adopts the other's quantization decisions, after checking at every q
 that they are legitimate, and the outputs are then compared as tightly as with fake-quant off:
 
 - `record(fn, *args)` runs `fn` (any jax function; traced with `jax.make_jaxpr` and re-run
-  under `jax.jit`, so the model code is untouched) and captures every QAT site: each call of
-  `ops.quant`'s jitted quantizers (`fake_quant_fp8/fp4`, `pack_fp8_blocks`, `pack_fp4_*`), its
-  input rows and its quantized values. `Sites.check_quantizers()` compares the values bit for bit
+  under `jax.jit`, so the model code is untouched; inside `shard_map`, per shard) and captures
+  every QAT site: each call of `ops.quant`'s jitted quantizers (`fake_quant_fp8/fp4`,
+  `pack_fp8_blocks`, `pack_fp4_*`), its input rows and its quantized values. `Sites.check_quantizers()` compares the values bit for bit
   with the float64 reference's quantizers (tests/reference/v41_reference.py) on the same inputs.
 - `adopting(sites)`: the numpy references quantize through the recorded decisions. Each reference
   row is matched to the recorded row of the same site kind nearest to it, which must lie within
@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
 
 from deepinfer.ops import quant
 
@@ -85,9 +86,10 @@ def _contains_site(params) -> bool:
     return False
 
 
-def _eval(jaxpr, consts, args, on_site):
+def _eval(jaxpr, consts, args, on_site, extras):
     """Evaluate `jaxpr` by binding its equations (inside a trace: the same program), inlining
-    nested jits, and handing each QAT site to `on_site(kind, name, eqn, invals) -> outvals`."""
+    nested jits, and handing each QAT site to `on_site(kind, name, eqn, invals) -> outvals`, which
+    may append to `extras`."""
     env = {}
 
     def read(v):
@@ -104,10 +106,12 @@ def _eval(jaxpr, consts, args, on_site):
             outvals = on_site(kind, eqn.params["name"], eqn, invals)
         elif eqn.primitive.name in ("jit", "pjit"):
             inner = eqn.params["jaxpr"]
-            outvals = _eval(inner.jaxpr, inner.consts, invals, on_site)
+            outvals = _eval(inner.jaxpr, inner.consts, invals, on_site, extras)
         elif eqn.primitive.name == "custom_vjp_call":  # the quantizers' straight-through wrapper:
             inner = eqn.params["call_jaxpr"]  # its forward is exactly the call inside
-            outvals = _eval(inner.jaxpr, inner.consts, invals, on_site)
+            outvals = _eval(inner.jaxpr, inner.consts, invals, on_site, extras)
+        elif eqn.primitive.name == "shard_map" and _contains_site(eqn.params):
+            outvals = _eval_shard_map(eqn, invals, on_site, extras)
         else:
             if _contains_site(eqn.params):
                 raise NotImplementedError(f"a QAT site inside `{eqn.primitive.name}` cannot be intercepted")
@@ -115,6 +119,29 @@ def _eval(jaxpr, consts, args, on_site):
         for v, a in zip(eqn.outvars, outvals):
             env[v] = a
     return [read(v) for v in jaxpr.outvars]
+
+
+def _eval_shard_map(eqn, invals, on_site, extras):
+    """A `shard_map` holding QAT sites, re-run as a `shard_map` of its body with the sites handed to
+    `on_site` per shard. What the handler appends to `extras` inside the body (per-shard arrays
+    with a leading row axis) leaves the map concatenated over the shards."""
+    p = eqn.params
+    manual = tuple(a for a in p["mesh"].axis_names if a in p["newly_manual_axes"])
+
+    def body(*args):
+        outer, extras[:] = list(extras), []
+        try:
+            outs = _eval(p["jaxpr"], (), args, on_site, extras)
+            return outs, list(extras)
+        finally:
+            extras[:] = outer
+
+    mapped = jax.shard_map(body, mesh=p["mesh"], in_specs=tuple(p["in_specs"]),
+                           out_specs=(list(p["out_specs"]), P(manual)), axis_names=set(manual),
+                           check_vma=p["check_vma"])
+    outs, new = mapped(*invals)
+    extras.extend(new)
+    return outs
 
 
 def _bind(eqn, invals):
@@ -137,7 +164,7 @@ def _intercepting(fn, site_handler):
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat]
         closed, out_shape = jax.make_jaxpr(lambda *a: fn(*jax.tree.unflatten(tree, a)), return_shape=True)(*avals)
         extras = []
-        outs = _eval(closed.jaxpr, closed.consts, flat, site_handler(extras, aux))
+        outs = _eval(closed.jaxpr, closed.consts, flat, site_handler(extras, aux), extras)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs), extras
 
     return jax.jit(run)
@@ -338,8 +365,7 @@ class Replayer:
         if full_key not in _REPLAYERS:
             _REPLAYERS[full_key] = _intercepting(fn, functools.partial(_replay_handler, self.kinds, self.tol))
         out, stats = _REPLAYERS[full_key](self.tables, *args)
-        for s in stats:
-            s = np.asarray(s)
+        for s in np.concatenate([np.asarray(s) for s in stats]) if stats else ():
             assert s[5] == 0, "adopted values did not survive packing"
             self.found.add(*s[:5])
         return out
@@ -355,7 +381,7 @@ def _replay_handler(kinds, tol, extras, tables):
         rows = x.reshape(-1, w).astype(jnp.float32)
         f32 = jnp.float32
         if kind not in tables:  # no recorded site of this kind: every row unmatched
-            extras.append(jnp.asarray([rows.shape[0], 0, 0, 0, 0, 0], f32))
+            extras.append(jnp.asarray([[rows.shape[0], 0, 0, 0, 0, 0]], f32))
             return outs
         own = _values(kind, name, outs).reshape(-1, w)
         table_x, table_q = tables[kind]
@@ -372,7 +398,7 @@ def _replay_handler(kinds, tol, extras, tables):
             stored = _values(kind, name, result).reshape(-1, w)
         extras.append(jnp.stack([f32(rows.shape[0]), matched.sum().astype(f32), differs.any(-1).sum().astype(f32),
                                  differs.sum().astype(f32), jnp.where(matched, dist, 0.0).max(initial=0.0),
-                                 jnp.any(stored != new).astype(f32)]))
+                                 jnp.any(stored != new).astype(f32)])[None])  # one row (per shard)
         return result
     return on_site
 
