@@ -301,10 +301,10 @@ def _make_llm(args: argparse.Namespace, **extra: Any):
 
 
 def _describe_model(llm) -> str:
-    from deepinfer.serve.api.llm import RANDOM_MODEL, TRAINED_MODEL
+    from deepinfer.serve.api.llm import RANDOM_MODELS, TRAINED_MODEL
 
-    if llm.model_name == RANDOM_MODEL:
-        return f"{RANDOM_MODEL} (embedded, random weights; checkpoint {llm.model_dir})"
+    if llm.model_name in RANDOM_MODELS:
+        return f"{llm.model_name} (embedded, random weights; checkpoint {llm.model_dir})"
     if llm.model_name == TRAINED_MODEL:
         return f"{TRAINED_MODEL} (embedded, trained on the Python standard library; checkpoint {llm.model_dir})"
     return f"{llm.model_name} (checkpoint {llm.model_dir})"

@@ -14,8 +14,9 @@ What it adds on top of `LLMEngine`:
   tiny-v4.1 architecture trained on the Python standard library, rebuilt from the compact pack in
   `model/weights/` (its SHA-256 checked) into `~/.cache/deepinfer/tiny-v4.1-trained-<sha12>`.
   `"tiny-v4.1"` is the same architecture with random weights (seed 0, float32;
-  `~/.cache/deepinfer/tiny-v4.1-seed0`), what tests compare against `init_params`. `cache_dir`
-  puts either elsewhere. The write goes to a temporary directory renamed into place, so
+  `~/.cache/deepinfer/tiny-v4.1-seed0`), what tests compare against `init_params`;
+  `"tiny-v4.1-short"` likewise, with one layer of each role (5 layers: compiles in about half the
+  time). `cache_dir` puts any of them elsewhere. The write goes to a temporary directory renamed into place, so
   concurrent processes are safe.
   Other presets have no weights here and are rejected; so is a DeepSeek-V4 model (the engine
   serves V4.1; V4 runs only the full forward pass, `deepinfer forward`).
@@ -76,7 +77,8 @@ from deepinfer.serve.text.chat import (
     prepare_chat,
 )
 
-__all__ = ["DEFAULT_MODEL", "LLM", "PREFILL_MODES", "RANDOM_MODEL", "TRAINED_MODEL", "ensure_random_checkpoint",
+__all__ = ["DEFAULT_MODEL", "LLM", "PREFILL_MODES", "RANDOM_MODEL", "RANDOM_MODELS", "TRAINED_MODEL",
+           "ensure_random_checkpoint",
            "ensure_trained_checkpoint", "parse_chat_completion"]
 
 log = logging.getLogger("deepinfer.llm")
@@ -85,8 +87,10 @@ log = logging.getLogger("deepinfer.llm")
 # in `model/weights/` (`model/compact_weights.py`): what `LLM()` and the commands load by default
 TRAINED_MODEL = "tiny-v4.1-trained"
 DEFAULT_MODEL = TRAINED_MODEL
-# the same architecture with random weights (seed 0): the tests' reference model
+# the same architecture with random weights (seed 0): the tests' reference model; and the presets
+# that can be asked for by name with random weights
 RANDOM_MODEL = "tiny-v4.1"
+RANDOM_MODELS = (RANDOM_MODEL, "tiny-v4.1-short")
 RANDOM_WEIGHT_SEED = 0
 CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_format")
 _KNOWN_ARGS = (
@@ -141,22 +145,26 @@ def ensure_trained_checkpoint(cache_dir: str | os.PathLike | None = None) -> tup
                         f"trained {TRAINED_MODEL}")
 
 
-def ensure_random_checkpoint(cache_dir: str | os.PathLike | None = None) -> tuple[str, bool]:
-    """Make sure the embedded random-weight checkpoint exists; returns `(directory, written_now)`.
+def ensure_random_checkpoint(cache_dir: str | os.PathLike | None = None,
+                             preset: str = RANDOM_MODEL) -> tuple[str, bool]:
+    """Make sure an embedded random-weight checkpoint exists; returns `(directory, written_now)`.
 
-    The tiny-v4.1 preset with random weights (seed 0, float32) is written in the official format
-    to a temporary sibling directory and renamed onto `cache_dir` (default
-    `~/.cache/deepinfer/tiny-v4.1-seed0`); when another process wins the race, its copy is kept
+    The `preset` (one of `RANDOM_MODELS`) with random weights (seed 0, float32) is written in the
+    official format to a temporary sibling directory and renamed onto `cache_dir` (default
+    `~/.cache/deepinfer/<preset>-seed0`); when another process wins the race, its copy is kept
     and ours is discarded. A non-empty `cache_dir` that is not a complete checkpoint is an error
     (delete it to have it rewritten).
     """
+    if preset not in RANDOM_MODELS:
+        raise ValueError(f"preset: {preset!r} has no embedded random weights (one of {RANDOM_MODELS})")
+
     def write(tmp: str) -> None:
-        config = load_config(RANDOM_MODEL, dtype="float32")
+        config = load_config(preset, dtype="float32")
         write_checkpoint(init_params(config, RANDOM_WEIGHT_SEED), config, tmp)
 
     if cache_dir is None:
-        cache_dir = _embedded_dir(f"{RANDOM_MODEL}-seed{RANDOM_WEIGHT_SEED}")
-    return _materialize(cache_dir, write, f"{RANDOM_MODEL} (random weights, seed {RANDOM_WEIGHT_SEED})")
+        cache_dir = _embedded_dir(f"{preset}-seed{RANDOM_WEIGHT_SEED}")
+    return _materialize(cache_dir, write, f"{preset} (random weights, seed {RANDOM_WEIGHT_SEED})")
 
 
 def _materialize(cache_dir: str | os.PathLike, write, what: str) -> tuple[str, bool]:
@@ -302,8 +310,8 @@ class LLM:
 
     Args:
         model: a checkpoint directory (official or orbax format), None / "tiny-v4.1-trained" for
-            the embedded trained tiny model (the default), or "tiny-v4.1" for the same architecture
-            with random weights (see the module docstring).
+            the embedded trained tiny model (the default), or "tiny-v4.1" / "tiny-v4.1-short" for
+            the same architecture with random weights (see the module docstring).
         tokenizer: None (the pinned DeepSeek-V4 tokenizer), a path to a `tokenizer.json` (loaded
             without the pin check), or a loaded `tokenizers.Tokenizer`.
         seed: seed of the engine's sampling RNG (requests without their own `seed`).
@@ -505,15 +513,15 @@ class LLM:
         if model is None or str(model) == TRAINED_MODEL:
             directory, _ = ensure_trained_checkpoint(cache_dir)
             return directory, TRAINED_MODEL
-        if str(model) == RANDOM_MODEL:
-            directory, _ = ensure_random_checkpoint(cache_dir)
-            return directory, RANDOM_MODEL
+        if str(model) in RANDOM_MODELS:
+            directory, _ = ensure_random_checkpoint(cache_dir, str(model))
+            return directory, str(model)
         if not isinstance(model, (str, os.PathLike)):
             raise ValueError(f"model: must be a checkpoint directory or a preset name, got {type(model).__name__}")
         path = os.fspath(model)
         if os.path.isdir(path):
             return os.path.abspath(path), path
-        embedded = f"{TRAINED_MODEL!r} and {RANDOM_MODEL!r} (random weights)"
+        embedded = f"{TRAINED_MODEL!r} and {' and '.join(map(repr, RANDOM_MODELS))} (random weights)"
         if path in PRESETS:
             raise ValueError(f"model: preset {path!r} has no weights here; only {embedded} are embedded. "
                              "Pass a checkpoint directory")

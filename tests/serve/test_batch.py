@@ -19,7 +19,7 @@ def llm(tmp_path_factory):
     from deepinfer import LLM
 
     # named like the embedded random model, so its compiled steps are shared with test_llm.py in one process
-    return LLM("tiny-v4.1", cache_dir=tmp_path_factory.mktemp("batch") / "tiny-v4.1-seed0", **SMALL)
+    return LLM("tiny-v4.1-short", cache_dir=tmp_path_factory.mktemp("batch") / "tiny-v4.1-short-seed0", **SMALL)
 
 
 def line(custom_id, url, body, method="POST") -> str:
@@ -78,7 +78,7 @@ def test_good_and_malformed_lines_keep_input_order(llm, tmp_path):
         row = by_id[custom_id]
         assert row["error"] is None and row["response"]["status_code"] == 200
         body = row["response"]["body"]
-        assert len(body["choices"]) == 1 and body["model"] == "tiny-v4.1"
+        assert len(body["choices"]) == 1 and body["model"] == "tiny-v4.1-short"
         usage = body["usage"]
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
 
@@ -143,8 +143,8 @@ def test_metrics_are_exported_for_prometheus(llm, tmp_path):
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count"):
         assert f"\n{name}{{" in text, name
-    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny-v4.1"}' in text
-    assert f'vllm:generation_tokens_total{{engine="0",model_name="tiny-v4.1"}} {float(after["vllm:generation_tokens"])}' in text
+    assert 'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny-v4.1-short"}' in text
+    assert f'vllm:generation_tokens_total{{engine="0",model_name="tiny-v4.1-short"}} {float(after["vllm:generation_tokens"])}' in text
 
 
 def test_metrics_server_answers_during_a_batch(llm, tmp_path, monkeypatch):

@@ -2,9 +2,10 @@
 sampling in batches, vLLM's finish/stop reasons, chat encoding and parsing, metrics and logs.
 
 One module-scoped `LLM` with a small cache budget serves most tests, so each step shape compiles
-once. It is the embedded tiny-v4.1 (random weights, `init_params` seed 0) in a directory named like
-the embedded one's, so the config (a static jit argument that includes the name) is the same in
-every test module of this process.
+once. It is the embedded tiny-v4.1-short (random weights, `init_params` seed 0; one layer of each
+tiny-v4.1 role, so a step compiles in about half the time) in a directory named like the embedded
+one's, so the config (a static jit argument that includes the name) is the same in every test
+module of this process (test_llm_fuzz and test_batch use the same model and budget).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from deepinfer.serve.api.types import CompletionOutput, RequestOutput, SamplingParams
 from tests.serve.compilations import COMPILE_EVENTS
 
+MODEL = "tiny-v4.1-short"
 SMALL = dict(max_num_seqs=4, max_model_len=512, page_size=64, prefill_chunk=128, prefill_mode="full")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 SYSTEM_STANDIN_ID = 128798  # a placeholder id renamed to <｜System｜> in the stand-in V4.1 tokenizer
@@ -26,14 +28,14 @@ SYSTEM_STANDIN_ID = 128798  # a placeholder id renamed to <｜System｜> in the 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("llm") / "tiny-v4.1-seed0"
+    return tmp_path_factory.mktemp("llm") / f"{MODEL}-seed0"
 
 
 @pytest.fixture(scope="module")
 def llm(cache_dir):
     from deepinfer import LLM
 
-    return LLM("tiny-v4.1", cache_dir=cache_dir, **SMALL)
+    return LLM(MODEL, cache_dir=cache_dir, **SMALL)
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -58,7 +60,7 @@ def test_root_package_exports_are_lazy():
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
-def test_embedded_random_model_is_written_once(llm, cache_dir, monkeypatch):
+def test_embedded_random_model_is_written_once(llm, cache_dir, monkeypatch, tmp_path):
     import deepinfer.serve.api.llm as llm_module
     from deepinfer import LLM
     from deepinfer.model.checkpoint import INDEX_FILE
@@ -67,7 +69,7 @@ def test_embedded_random_model_is_written_once(llm, cache_dir, monkeypatch):
 
     assert (cache_dir / INDEX_FILE).is_file() and (cache_dir / "config.json").is_file()
     assert verify_checkpoint(cache_dir).ok and (cache_dir / MANIFEST_FILE).is_file()  # written with its checksums
-    assert llm.model_name == "tiny-v4.1" and llm.config.model_type == "deepseek_v41"
+    assert llm.model_name == MODEL and llm.config.model_type == "deepseek_v41" and llm.config.num_layers == 5
     assert llm.config.dtype == "float32"
     assert not [p for p in cache_dir.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
 
@@ -75,9 +77,14 @@ def test_embedded_random_model_is_written_once(llm, cache_dir, monkeypatch):
         raise AssertionError("the embedded checkpoint was written twice")
 
     monkeypatch.setattr(llm_module, "write_checkpoint", fail)
-    again = LLM("tiny-v4.1", cache_dir=cache_dir, **SMALL)
+    again = LLM(MODEL, cache_dir=cache_dir, **SMALL)
     assert again.model_dir == llm.model_dir
-    assert llm_module.ensure_random_checkpoint(cache_dir) == (str(cache_dir), False)
+    assert llm_module.ensure_random_checkpoint(cache_dir, MODEL) == (str(cache_dir), False)
+    monkeypatch.undo()
+    full = LLM("tiny-v4.1", cache_dir=tmp_path / "tiny-v4.1-seed0", **SMALL)  # the tests' reference model
+    assert full.model_name == "tiny-v4.1" and full.config.num_layers == 10
+    with pytest.raises(ValueError, match="no embedded random weights"):
+        llm_module.ensure_random_checkpoint(tmp_path / "v41", "deepseek-v4.1-flash")
 
 
 def test_bad_cache_dir_and_models_are_rejected(tmp_path):
@@ -109,21 +116,21 @@ def test_unknown_argument_and_bad_settings_name_the_field(cache_dir):
     from deepinfer import LLM
 
     with pytest.raises(ValueError, match=r"^gpu_memory_utilisation: unknown LLM argument"):
-        LLM("tiny-v4.1", cache_dir=cache_dir, gpu_memory_utilisation=0.9)
+        LLM(MODEL, cache_dir=cache_dir, gpu_memory_utilisation=0.9)
     with pytest.raises(ValueError, match="prefill_mode"):
-        LLM("tiny-v4.1", cache_dir=cache_dir, prefill_mode="sparse")
+        LLM(MODEL, cache_dir=cache_dir, prefill_mode="sparse")
     with pytest.raises(ValueError, match=r"keep_tokens: .*sliding window \(128\)"):
-        LLM("tiny-v4.1", cache_dir=cache_dir, keep_tokens=100)
+        LLM(MODEL, cache_dir=cache_dir, keep_tokens=100)
     with pytest.raises(ValueError, match="prefill_chunk"):
-        LLM("tiny-v4.1", cache_dir=cache_dir, prefill_chunk=100)
+        LLM(MODEL, cache_dir=cache_dir, prefill_chunk=100)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(100\).*at least 135"):
-        LLM("tiny-v4.1", cache_dir=cache_dir, max_num_batched_tokens=100)
+        LLM(MODEL, cache_dir=cache_dir, max_num_batched_tokens=100)
 
 
 def test_prefill_settings_reach_the_engine(cache_dir):
     from deepinfer import LLM
 
-    other = LLM("tiny-v4.1", cache_dir=cache_dir, **{**SMALL, "prefill_mode": "compact"}, keep_tokens=150,
+    other = LLM(MODEL, cache_dir=cache_dir, **{**SMALL, "prefill_mode": "compact"}, keep_tokens=150,
                 max_num_batched_tokens=1024)
     assert other.engine.engine_config.prefill_mode == "compact"
     assert other.engine.scheduler.max_num_batched_tokens == 1024
@@ -284,7 +291,7 @@ def llm41(llm, cache_dir):
     for token in spec["added_tokens"]:
         if token["id"] == SYSTEM_STANDIN_ID:
             token.update(content="<｜System｜>", special=False)
-    return LLM("tiny-v4.1", cache_dir=cache_dir, tokenizer=tokenizers.Tokenizer.from_str(json.dumps(spec)), **SMALL)
+    return LLM(MODEL, cache_dir=cache_dir, tokenizer=tokenizers.Tokenizer.from_str(json.dumps(spec)), **SMALL)
 
 
 def test_chat_thinking_mode_encodes_and_parses_reasoning(llm, llm41):
@@ -392,7 +399,7 @@ def test_a_call_compiles_before_its_first_step_at_the_defaults(cache_dir, monkey
 
     from deepinfer import LLM
 
-    llm = LLM("tiny-v4.1", cache_dir=cache_dir, max_num_seqs=4, max_model_len=2048)
+    llm = LLM(MODEL, cache_dir=cache_dir, max_num_seqs=4, max_model_len=2048)
     during, in_step = [], [False]
     step = llm.engine.step
 

@@ -22,7 +22,7 @@ CASES = 300
 def llm(tmp_path_factory):
     from deepinfer import LLM
 
-    return LLM("tiny-v4.1", cache_dir=tmp_path_factory.mktemp("fuzz") / "tiny-v4.1-seed0", **SMALL)
+    return LLM("tiny-v4.1-short", cache_dir=tmp_path_factory.mktemp("fuzz") / "tiny-v4.1-short-seed0", **SMALL)
 
 
 def _junk(rng: np.random.Generator):
