@@ -240,7 +240,7 @@ def test_llm_adaptive_verification_compiles_every_width_at_warm_up(tmp_path):
     bucket: whatever width the steps choose, nothing compiles mid-stream."""
     from deepinfer import LLM
 
-    llm = LLM("tiny-v4.1", cache_dir=tmp_path / "tiny", max_num_seqs=1, max_model_len=128, page_size=64,
+    llm = LLM("tiny-v4.1-short", cache_dir=tmp_path / "tiny", max_num_seqs=1, max_model_len=128, page_size=64,
               prefill_chunk=128, compilation_cache=None, log_stats_interval=None,
               speculative_config={"method": "dspark", "num_speculative_tokens": 2,
                                   "enable_adaptive_verification": True})
