@@ -149,7 +149,7 @@ def bench_decode_step(params, config, context: int, repeats: int = 5, batch: int
 def bench_start(prompt: str = "The capital of France is") -> tuple[float, float]:
     """Seconds of `deepinfer generate --prompt PROMPT` in a new process with an empty compilation
     cache, then again with the cache it wrote (the embedded checkpoint is written beforehand)."""
-    from deepinfer.serve.api.llm import ensure_trained_checkpoint
+    from deepinfer.serve.api.embedded import ensure_trained_checkpoint
 
     ensure_trained_checkpoint()
     times = []

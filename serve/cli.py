@@ -301,7 +301,7 @@ def _make_llm(args: argparse.Namespace, **extra: Any):
 
 
 def _describe_model(llm) -> str:
-    from deepinfer.serve.api.llm import RANDOM_MODELS, TRAINED_MODEL
+    from deepinfer.serve.api.embedded import RANDOM_MODELS, TRAINED_MODEL
 
     if llm.model_name in RANDOM_MODELS:
         return f"{llm.model_name} (embedded, random weights; checkpoint {llm.model_dir})"

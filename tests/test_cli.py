@@ -269,7 +269,7 @@ def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monke
     code, out, err = run(capsys, "generate", "--prompt", "The capital of France is", "Hello",
                          "--max-tokens", "3", "--temperature", "0", *SMALL_ENGINE)
     assert code == 0, err
-    from deepinfer.serve.api.llm import trained_weights
+    from deepinfer.serve.api.embedded import trained_weights
 
     checkpoint = home / ".cache" / "deepinfer" / f"tiny-v4.1-trained-{trained_weights()['sha256'][:12]}"
     assert (checkpoint / "config.json").is_file()

@@ -9,15 +9,9 @@
 What it adds on top of `LLMEngine`:
 
 * model resolution: a checkpoint directory (official safetensors or orbax; `load_checkpoint`), or
-  an embedded tiny model, written once as a real official-format checkpoint into a cache
-  directory and loaded from there. `model=None` (or `"tiny-v4.1-trained"`) is the default: the
-  tiny-v4.1 architecture trained on the Python standard library, rebuilt from the compact pack in
-  `model/weights/` (its SHA-256 checked) into `~/.cache/deepinfer/tiny-v4.1-trained-<sha12>`.
-  `"tiny-v4.1"` is the same architecture with random weights (seed 0, float32;
-  `~/.cache/deepinfer/tiny-v4.1-seed0`), what tests compare against `init_params`;
-  `"tiny-v4.1-short"` likewise, with one layer of each role (5 layers: compiles in about half the
-  time). `cache_dir` puts any of them elsewhere. The write goes to a temporary directory renamed into place, so
-  concurrent processes are safe.
+  an embedded tiny model by name (`embedded.py`): `model=None` (or `"tiny-v4.1-trained"`) is the
+  default, the tiny-v4.1 architecture trained on the Python standard library; `"tiny-v4.1"` and
+  `"tiny-v4.1-short"` have random weights. `cache_dir` says where an embedded one is written.
   Other presets have no weights here and are rejected; so is a DeepSeek-V4 model (the engine
   serves V4.1; V4 runs only the full forward pass, `deepinfer forward`).
 * prompts in vLLM's forms, validated before any work: one bad prompt fails the whole call with
@@ -44,11 +38,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
-import json
 import logging
 import os
-import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -57,9 +48,18 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
-from deepinfer.model import PRESETS, init_params, load_checkpoint, load_config, write_checkpoint
-from deepinfer.model.checkpoint import INDEX_FILE, single_device
+from deepinfer.model import load_checkpoint, load_config
+from deepinfer.model.checkpoint import single_device
 from deepinfer.pallas_kernels.accelerator import Accelerator, select_accelerator
+from deepinfer.serve.api.embedded import (
+    DEFAULT_MODEL,
+    RANDOM_MODEL,
+    RANDOM_MODELS,
+    TRAINED_MODEL,
+    ensure_random_checkpoint,
+    ensure_trained_checkpoint,
+    resolve_model,
+)
 from deepinfer.serve.api.types import RequestOutput, SamplingParams
 from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
 from deepinfer.serve.compilation_cache import enable_compilation_cache, resolve_compilation_cache
@@ -77,21 +77,12 @@ from deepinfer.serve.text.chat import (
     prepare_chat,
 )
 
+# (the embedded models' names and writers are re-exported from `embedded`)
 __all__ = ["DEFAULT_MODEL", "LLM", "PREFILL_MODES", "RANDOM_MODEL", "RANDOM_MODELS", "TRAINED_MODEL",
-           "ensure_random_checkpoint",
-           "ensure_trained_checkpoint", "parse_chat_completion"]
+           "ensure_random_checkpoint", "ensure_trained_checkpoint", "parse_chat_completion"]
 
 log = logging.getLogger("deepinfer.llm")
 
-# tiny-v4.1 trained on the Python standard library (`scripts/train_tiny.py`), shipped compactly
-# in `model/weights/` (`model/compact_weights.py`): what `LLM()` and the commands load by default
-TRAINED_MODEL = "tiny-v4.1-trained"
-DEFAULT_MODEL = TRAINED_MODEL
-# the same architecture with random weights (seed 0): the tests' reference model; and the presets
-# that can be asked for by name with random weights
-RANDOM_MODEL = "tiny-v4.1"
-RANDOM_MODELS = (RANDOM_MODEL, "tiny-v4.1-short")
-RANDOM_WEIGHT_SEED = 0
 CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_format")
 _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
@@ -100,98 +91,6 @@ _KNOWN_ARGS = (
     "compilation_cache", "warmup", "async_scheduling", "speculative_config", "deterministic",
     "enable_prefix_caching", "prefix_replay", "prefix_cache_host_pages", "prefix_cache_dir",
 )
-
-
-# ---- the embedded checkpoints -----------------------------------------------------------------
-
-
-def _embedded_dir(name: str) -> str:
-    """Where an embedded checkpoint lives unless `cache_dir` is given."""
-    return os.path.join(os.path.expanduser("~"), ".cache", "deepinfer", name)
-
-
-def _is_complete(directory: str) -> bool:
-    return (os.path.isfile(os.path.join(directory, INDEX_FILE))
-            and os.path.isfile(os.path.join(directory, "config.json")))
-
-
-def trained_weights() -> dict:
-    """What `model/weights/tiny-v4.1-trained.json` says of the shipped trained pack (with `path`)."""
-    from deepinfer.model import compact_weights
-
-    info_path = os.path.join(os.path.dirname(os.path.abspath(compact_weights.__file__)), "weights",
-                             f"{TRAINED_MODEL}.json")
-    try:
-        with open(info_path, encoding="utf-8") as f:
-            info = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"model: the embedded {TRAINED_MODEL!r} weights are not here ({info_path}: {e})") from None
-    return {**info, "path": os.path.join(os.path.dirname(info_path), info["file"])}
-
-
-def ensure_trained_checkpoint(cache_dir: str | os.PathLike | None = None) -> tuple[str, bool]:
-    """The official checkpoint of the shipped trained tiny model (`model/compact_weights.py`),
-    written once (the pack's checksum checked) under `~/.cache/deepinfer/tiny-v4.1-trained-<sha>`;
-    returns `(directory, written_now)`."""
-    from deepinfer.model.compact_weights import write_checkpoint_from_pack
-    from deepinfer.model.config import config_from_dict
-
-    info = trained_weights()
-    if cache_dir is None:
-        cache_dir = _embedded_dir(f"{TRAINED_MODEL}-{info['sha256'][:12]}")
-    config = config_from_dict(info["config"], name=TRAINED_MODEL)
-    return _materialize(cache_dir, lambda tmp: write_checkpoint_from_pack(info["path"], config, info["seed"], tmp,
-                                                                          info["sha256"]),
-                        f"trained {TRAINED_MODEL}")
-
-
-def ensure_random_checkpoint(cache_dir: str | os.PathLike | None = None,
-                             preset: str = RANDOM_MODEL) -> tuple[str, bool]:
-    """Make sure an embedded random-weight checkpoint exists; returns `(directory, written_now)`.
-
-    The `preset` (one of `RANDOM_MODELS`) with random weights (seed 0, float32) is written in the
-    official format to a temporary sibling directory and renamed onto `cache_dir` (default
-    `~/.cache/deepinfer/<preset>-seed0`); when another process wins the race, its copy is kept
-    and ours is discarded. A non-empty `cache_dir` that is not a complete checkpoint is an error
-    (delete it to have it rewritten).
-    """
-    if preset not in RANDOM_MODELS:
-        raise ValueError(f"preset: {preset!r} has no embedded random weights (one of {RANDOM_MODELS})")
-
-    def write(tmp: str) -> None:
-        config = load_config(preset, dtype="float32")
-        write_checkpoint(init_params(config, RANDOM_WEIGHT_SEED), config, tmp)
-
-    if cache_dir is None:
-        cache_dir = _embedded_dir(f"{preset}-seed{RANDOM_WEIGHT_SEED}")
-    return _materialize(cache_dir, write, f"{preset} (random weights, seed {RANDOM_WEIGHT_SEED})")
-
-
-def _materialize(cache_dir: str | os.PathLike, write, what: str) -> tuple[str, bool]:
-    """`write(tmp)` into a temporary sibling of `cache_dir`, renamed onto it unless another
-    process won the race; a non-empty `cache_dir` that is no complete checkpoint is an error."""
-    target = os.path.abspath(os.fspath(cache_dir))
-    if _is_complete(target):
-        return target, False
-    if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
-        raise ValueError(f"cache_dir: {target} exists but is not a complete checkpoint "
-                         f"(no {INDEX_FILE} or config.json); delete it to have it rewritten")
-    parent = os.path.dirname(target)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
-    try:
-        write(tmp)
-        try:
-            os.rename(tmp, target)  # atomic; fails if another process already put a copy there
-        except OSError:
-            if not _is_complete(target):
-                raise
-            return target, False
-        log.info("wrote the embedded %s checkpoint to %s", what, target)
-        return target, True
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -451,7 +350,7 @@ class LLM:
             raise ValueError(f"max_num_seqs: {max_num_seqs} must be a multiple of the mesh's dp={self.mesh.shape['dp']}")
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
         check_token_budget(max_num_batched_tokens, max_num_seqs // (1 if self.mesh is None else self.mesh.shape["dp"]))
-        directory, self.model_name = self._resolve_model(model, cache_dir)
+        directory, self.model_name = resolve_model(model, cache_dir)
         self.model_dir = directory
         try:
             probe = load_config(directory)
@@ -507,25 +406,6 @@ class LLM:
         self._profile_dir: str | None = None
 
     # ---- construction helpers ---------------------------------------------------------------
-
-    @staticmethod
-    def _resolve_model(model, cache_dir) -> tuple[str, str]:
-        if model is None or str(model) == TRAINED_MODEL:
-            directory, _ = ensure_trained_checkpoint(cache_dir)
-            return directory, TRAINED_MODEL
-        if str(model) in RANDOM_MODELS:
-            directory, _ = ensure_random_checkpoint(cache_dir, str(model))
-            return directory, str(model)
-        if not isinstance(model, (str, os.PathLike)):
-            raise ValueError(f"model: must be a checkpoint directory or a preset name, got {type(model).__name__}")
-        path = os.fspath(model)
-        if os.path.isdir(path):
-            return os.path.abspath(path), path
-        embedded = f"{TRAINED_MODEL!r} and {' and '.join(map(repr, RANDOM_MODELS))} (random weights)"
-        if path in PRESETS:
-            raise ValueError(f"model: preset {path!r} has no weights here; only {embedded} are embedded. "
-                             "Pass a checkpoint directory")
-        raise ValueError(f"model: {path!r} is neither a checkpoint directory nor an embedded model ({embedded})")
 
     @staticmethod
     def _load_tokenizer(tokenizer: Any):

@@ -69,7 +69,7 @@ def test_set_once_per_process(tmp_path, unset_cache, caplog):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from deepinfer.serve.api.llm import ensure_random_checkpoint
+    from deepinfer.serve.api.embedded import ensure_random_checkpoint
 
     directory, _ = ensure_random_checkpoint(tmp_path_factory.mktemp("cc") / "tiny-v4.1-seed0")
     return directory

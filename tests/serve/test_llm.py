@@ -61,7 +61,7 @@ def test_root_package_exports_are_lazy():
 
 
 def test_embedded_random_model_is_written_once(llm, cache_dir, monkeypatch, tmp_path):
-    import deepinfer.serve.api.llm as llm_module
+    import deepinfer.serve.api.embedded as embedded
     from deepinfer import LLM
     from deepinfer.model.checkpoint import INDEX_FILE
     from deepinfer.model.manifest import MANIFEST_FILE
@@ -76,15 +76,15 @@ def test_embedded_random_model_is_written_once(llm, cache_dir, monkeypatch, tmp_
     def fail(*args, **kwargs):
         raise AssertionError("the embedded checkpoint was written twice")
 
-    monkeypatch.setattr(llm_module, "write_checkpoint", fail)
+    monkeypatch.setattr(embedded, "write_checkpoint", fail)
     again = LLM(MODEL, cache_dir=cache_dir, **SMALL)
     assert again.model_dir == llm.model_dir
-    assert llm_module.ensure_random_checkpoint(cache_dir, MODEL) == (str(cache_dir), False)
+    assert embedded.ensure_random_checkpoint(cache_dir, MODEL) == (str(cache_dir), False)
     monkeypatch.undo()
     full = LLM("tiny-v4.1", cache_dir=tmp_path / "tiny-v4.1-seed0", **SMALL)  # the tests' reference model
     assert full.model_name == "tiny-v4.1" and full.config.num_layers == 10
     with pytest.raises(ValueError, match="no embedded random weights"):
-        llm_module.ensure_random_checkpoint(tmp_path / "v41", "deepseek-v4.1-flash")
+        embedded.ensure_random_checkpoint(tmp_path / "v41", "deepseek-v4.1-flash")
 
 
 def test_bad_cache_dir_and_models_are_rejected(tmp_path):

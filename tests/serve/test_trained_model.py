@@ -12,7 +12,7 @@ import json
 import pytest
 
 from deepinfer.serve.api import LLM, SamplingParams
-from deepinfer.serve.api.llm import TRAINED_MODEL, trained_weights
+from deepinfer.serve.api.embedded import TRAINED_MODEL, trained_weights
 
 SMALL = dict(max_num_seqs=4, max_model_len=512, page_size=64, prefill_chunk=128, compilation_cache=None)
 PROMPT = "import os\nimport sys\n\n\ndef main():\n"
