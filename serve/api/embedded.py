@@ -51,9 +51,9 @@ def resolve_model(model, cache_dir) -> tuple[str, str]:
     path = os.fspath(model)
     if os.path.isdir(path):
         return os.path.abspath(path), path
-    embedded = f"{TRAINED_MODEL!r}, and {', '.join(map(repr, RANDOM_MODELS))} with random weights,"
+    embedded = f"{TRAINED_MODEL!r} (trained), {', '.join(map(repr, RANDOM_MODELS))} (random weights)"
     if path in PRESETS:
-        raise ValueError(f"model: preset {path!r} has no weights here; only {embedded} are embedded. "
+        raise ValueError(f"model: preset {path!r} has no weights here; the embedded models are {embedded}. "
                          "Pass a checkpoint directory")
     raise ValueError(f"model: {path!r} is neither a checkpoint directory nor an embedded model ({embedded})")
 
