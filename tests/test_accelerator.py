@@ -108,7 +108,7 @@ def test_llm_rejects_an_absent_accelerator_before_any_work(tmp_path, name, needl
 def test_llm_on_cpu_generates_with_everything_on_the_cpu_backend(tmp_path):
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM("tiny-v4.1-short", cache_dir=tmp_path / "tiny-v4.1-short-seed0", accelerator="cpu", **SMALL)
+    llm = LLM("tiny-v4.1", cache_dir=tmp_path / "tiny-v4.1-seed0", accelerator="cpu", **SMALL)
     cpu = jax.devices("cpu")[0]
     assert llm.accelerator.name == "cpu"
     assert llm.engine.engine_config.kernels == KernelConfig(platform="cpu")
