@@ -671,7 +671,8 @@ def _forward_impl(weights: dict[str, np.ndarray], cfg, token_ids: np.ndarray, *,
     """`reference_forward` with an optional `trace` dict that collects internals for self-checks:
     `attn_input[l]` (attn_norm output), `source_kv[s]` (entries + indexer keys of each KV source),
     `index_scores[l]` (after visibility / candidate masking), `candidates` (the pool [T, N]),
-    `selected[l]` (the compressed entries layer l attends to, [T, N]) and `final_hidden`."""
+    `selected[l]` (the compressed entries layer l attends to, [T, N]), `ffn_input[l]` (ffn_norm
+    output, the router's input) and `final_hidden`."""
     W = {k: np.asarray(v, dtype=F64) for k, v in weights.items()}
     ids = np.asarray(token_ids, dtype=np.int64)
     if ids.ndim != 1 or ids.size == 0:
@@ -714,6 +715,8 @@ def _forward_impl(weights: dict[str, np.ndarray], cfg, token_ids: np.ndarray, *,
         f_pre, f_post, f_comb = hc_mixes(streams, W[p + "hc_ffn_fn"], W[p + "hc_ffn_base"],
                                          W[p + "hc_ffn_scale"], **mix)
         x = _rms_norm(_hc_collapse(streams, a_pre), W[p + "ffn_norm.weight"], eps)
+        if trace is not None:
+            trace.setdefault("ffn_input", {})[layer] = x
         y = _moe(cfg, W, layer, x)
         streams = _hc_expand(y, streams, f_post, f_comb)
         pre = f_pre
