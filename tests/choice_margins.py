@@ -47,22 +47,16 @@ def choice_margins(weights: dict, config, token_ids: np.ndarray, token_map: np.n
     for layer, scores in trace.get("index_scores", {}).items():
         margins = np.minimum(margins, _margins(scores, config.index_topk))
         if layer == config.candidate_source_layer_id:
-            block = config.candidate_block_size
-            N = scores.shape[1]
-            n_blocks = -(-N // block)
-            padded = np.full((T, n_blocks * block), -np.inf)
-            padded[:, :N] = scores
-            block_scores = padded.reshape(T, n_blocks, block).max(-1)
-            newest = ((np.arange(T) + 1) // config.compress_ratio(layer) - 1) // block
-            block_scores[np.arange(n_blocks)[None, :] == newest[:, None]] = -np.inf  # always kept
+            visible = (np.arange(T) + 1) // config.compress_ratio(layer)
+            block_scores = R.candidate_block_scores(scores, visible, config.candidate_block_size)
+            block_scores[block_scores == np.inf] = -np.inf  # the newest block is always kept
             margins = np.minimum(margins, _margins(block_scores, config.candidate_topk_blocks - 1))
     for layer, x in trace["ffn_input"].items():
-        gate = weights.get(f"layers.{layer}.ffn.gate.weight")
-        bias = weights.get(f"layers.{layer}.ffn.gate.bias")
-        if gate is None or bias is None:  # hash-routed: no learned choice
+        prefix = f"layers.{layer}.ffn."
+        if prefix + "gate.bias" not in weights:  # hash-routed: no learned choice
             continue
-        scores = np.sqrt(R._softplus((x @ np.asarray(gate, np.float64).T) / config.gate_temp)) + bias[None, :]
-        margins = np.minimum(margins, _margins(scores, config.num_experts_per_tok))
+        _, biased = R.router_scores(config, weights, prefix, x)
+        margins = np.minimum(margins, _margins(biased, config.num_experts_per_tok))
     return margins
 
 

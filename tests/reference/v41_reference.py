@@ -338,18 +338,31 @@ def _select_candidate_blocks(scores: np.ndarray, visible_len: np.ndarray, n_bloc
     forced to +inf; keep the best `n_blocks_keep` blocks whose score is finite or +inf.
     """
     T, N = scores.shape
-    n_blocks = -(-N // block)
-    padded = np.full((T, n_blocks * block), -np.inf)
-    padded[:, :N] = scores
-    block_scores = padded.reshape(T, n_blocks, block).max(axis=-1)
-    newest = (visible_len - 1) // block  # -1 (no block) when nothing is visible
-    forced = np.arange(n_blocks)[None, :] == newest[:, None]
-    block_scores = np.where(forced, np.inf, block_scores)
+    block_scores = candidate_block_scores(scores, visible_len, block)
+    n_blocks = block_scores.shape[1]
     order = _order_desc(block_scores)[:, : min(n_blocks_keep, n_blocks)]
     keep = np.zeros((T, n_blocks), dtype=bool)
     rows = np.arange(T)[:, None]
     keep[rows, order] = block_scores[rows, order] > -np.inf
     return np.repeat(keep, block, axis=1)[:, :N]
+
+
+def candidate_block_scores(scores: np.ndarray, visible_len: np.ndarray, block: int) -> np.ndarray:
+    """[T, n_blocks]: each block's max score, +inf for the block holding the newest visible entry."""
+    T, N = scores.shape
+    n_blocks = -(-N // block)
+    padded = np.full((T, n_blocks * block), -np.inf)
+    padded[:, :N] = scores
+    block_scores = padded.reshape(T, n_blocks, block).max(axis=-1)
+    newest = (visible_len - 1) // block  # -1 (no block) when nothing is visible
+    return np.where(np.arange(n_blocks)[None, :] == newest[:, None], np.inf, block_scores)
+
+
+def router_scores(cfg: Any, W: dict, p: str, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The router under prefix `p` ("...ffn."): (gate weights [T, E], selection scores = weights +
+    bias [T, E])."""
+    scores = np.sqrt(_softplus((x @ W[p + "gate.weight"].T) / cfg.gate_temp))
+    return scores, scores + W[p + "gate.bias"][None, :]
 
 
 def _select_topk(scores: np.ndarray, k: int) -> np.ndarray:
@@ -499,8 +512,8 @@ def _moe(cfg: Any, W: dict, layer: int, x: np.ndarray) -> np.ndarray:
 
 def moe_ffn(cfg: Any, W: dict, p: str, x: np.ndarray, n_experts: int, k: int) -> np.ndarray:
     """The MoE FFN under prefix `p` ("...ffn.") with `n_experts` routed experts and top-`k`."""
-    scores = np.sqrt(_softplus((x @ W[p + "gate.weight"].T) / cfg.gate_temp))  # [T, E]
-    chosen = _order_desc(scores + W[p + "gate.bias"][None, :])[:, :k]  # bias: selection only
+    scores, biased = router_scores(cfg, W, p, x)
+    chosen = _order_desc(biased)[:, :k]  # bias: selection only
     route_w = np.take_along_axis(scores, chosen, axis=1)
     if cfg.norm_topk_prob and k > 1:
         route_w = route_w / (route_w.sum(axis=-1, keepdims=True) + 1e-20)
