@@ -66,7 +66,7 @@ from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples, SplitStep, StepSampling, token_bucket
 from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.scheduler import GRANULE, Scheduler, prefill_passes
-from deepinfer.serve.engine.speculative import SpecDecodeCounts, SpeculativeConfig, speculatable
+from deepinfer.serve.engine.speculative import SpecDecodeCounts, SpeculativeConfig
 from deepinfer.serve.engine.verify_schedule import VerifySchedule
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
@@ -639,8 +639,8 @@ class LLMEngine:
     def _lookahead(self, request: Request) -> int:
         """Drafts `request`'s next verify step checks: `num_speculative_tokens`, fewer near its
         max_tokens or the context's end (the step gains at most lookahead + 1 tokens), none when
-        it does not speculate (`speculatable`) or speculative decoding is off."""
-        if self.speculative is None or not speculatable(request.params, len(request.output_ids)):
+        speculative decoding is off."""
+        if self.speculative is None:
             return 0
         room = self.cache.layout.max_len - request.length
         if request.params.max_tokens is not None:
@@ -689,7 +689,8 @@ class LLMEngine:
                 request.confidence = self.verify_schedule.observe(request.confidence, out.confidence[i])
                 observed.append(out.confidence[i])
             if num[i]:
-                gained = [(int(t), None) for t in out.tokens[i, :count]]
+                gained = [(int(out.tokens[i, j]), None if out.gained is None else _row(out.gained, i, j))
+                          for j in range(count)]
             else:
                 gained = [(int(out.sampled.tokens[i]), _row(out.sampled, i))]
             if any(self._take(request, token, row) for token, row in gained) or self._jump_forward(request):
@@ -760,9 +761,10 @@ class _Sampled:
     row: int
 
 
-def _row(out: SampleOutput, i: int) -> SampleOutput:
-    """Row `i` of a step's sampled outputs."""
-    return SampleOutput(*(None if a is None else a[i] for a in
+def _row(out: SampleOutput, *index: int) -> SampleOutput:
+    """Row `i` of a step's sampled outputs (`index` = (i,)), or entry (i, j) of a verify step's
+    gained tokens."""
+    return SampleOutput(*(None if a is None else a[index] for a in
                           (out.tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)))
 
 

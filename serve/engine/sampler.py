@@ -54,7 +54,7 @@ from deepinfer.serve.engine import placeholders
 from deepinfer.serve.engine.sampling_state import SamplingState
 
 __all__ = ["BLOCK", "SampleOutput", "SampleRows", "Sampler", "apply_bitmask", "blocked_argmax", "draw", "gumbel", "process_logits",
-           "row_keys", "sample", "slot_settings", "truncate"]
+           "row_keys", "sample", "slot_settings", "truncate", "with_logprobs"]
 
 BLOCK = 256
 """Tokens per block of the two-level draw."""
@@ -184,13 +184,20 @@ def _penalized(p: dict) -> jax.Array:
     return (p["presence_penalty"] != 0) | (p["frequency_penalty"] != 0) | (p["repetition_penalty"] != 1)
 
 
-def process_logits(logits: jax.Array, state: SamplingState, slots: jax.Array, emit: jax.Array) -> jax.Array:
-    """Steps 1-2: float32 logits with bias, min_tokens bans and penalties applied."""
+def process_logits(logits: jax.Array, state: SamplingState, slots: jax.Array, emit: jax.Array,
+                   earlier: jax.Array | None = None) -> jax.Array:
+    """Steps 1-2: float32 logits with bias, min_tokens bans and penalties applied.
+
+    `earlier i32[B, n]` (None: none): output tokens a row gained after the state was last
+    advanced (-1: no token), counted as outputs by the bans and the penalties. A speculative
+    verify position sees the drafts before it this way, so that its distribution is the one a
+    plain decode step would sample from after accepting them."""
     logits = logits.astype(jnp.float32)
     B, V = logits.shape
     p = slot_settings(state, slots)
     rows = jnp.arange(B, dtype=jnp.int32)[:, None]
-    bans = jnp.where((p["num_output"] < p["min_tokens"])[:, None], p["ban_ids"], -1)
+    num_output = p["num_output"] if earlier is None else p["num_output"] + jnp.sum(earlier >= 0, axis=1)
+    bans = jnp.where((num_output < p["min_tokens"])[:, None], p["ban_ids"], -1)
     ids = jnp.concatenate([p["bias_ids"], bans], axis=1)
     values = jnp.concatenate([p["bias_values"], jnp.full(bans.shape, BAN, jnp.float32)], axis=1)
 
@@ -202,6 +209,8 @@ def process_logits(logits: jax.Array, state: SamplingState, slots: jax.Array, em
 
     def penalties(x):
         counts = state.output_counts[slots]
+        if earlier is not None:
+            counts = counts.at[rows, jnp.where(earlier >= 0, earlier, V)].add(1, mode="drop")
         seen = (state.prompt_seen[slots] | (counts > 0)) & penalized[:, None]
         rep = p["repetition_penalty"][:, None]
         cur = jnp.where(x > 0, x / rep, x * rep)
@@ -246,6 +255,19 @@ def truncate(scaled: jax.Array, p: dict, live: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.any(live & truncating), cut_top_k_top_p, lambda x: x, scaled)
 
 
+def with_logprobs(raw: jax.Array, tokens: jax.Array, num_logprobs: int) -> SampleOutput:
+    """`tokens [B]` taken from `raw [B, V]` with their raw log-probabilities and ranks and the
+    `num_logprobs` most likely tokens (the `num_logprobs` choice of the module docstring)."""
+    raw_logprobs = jax.nn.log_softmax(raw, axis=-1)
+    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=1)[:, 0]
+    ranks = jnp.sum(raw_logprobs >= token_logprobs[:, None], axis=-1, dtype=jnp.int32)
+    top_ids = top_logprobs = None
+    if num_logprobs > 0:
+        top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(num_logprobs, raw.shape[1]))
+        top_ids = top_ids.astype(jnp.int32)
+    return SampleOutput(tokens, token_logprobs, ranks, top_ids, top_logprobs)
+
+
 # ---------------------------------------------------------------------------------- the step
 
 
@@ -272,16 +294,7 @@ def sample(logits: jax.Array, state: SamplingState, slots: jax.Array, rows: Samp
         drawn = jax.lax.cond(jnp.any(live), draw_random, lambda x: greedy, processed)
         tokens = jnp.where(is_random, drawn, greedy).astype(jnp.int32)
 
-        out = SampleOutput(tokens=tokens)
-        if num_logprobs is not None:
-            raw_logprobs = jax.nn.log_softmax(raw, axis=-1)
-            token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=1)[:, 0]
-            ranks = jnp.sum(raw_logprobs >= token_logprobs[:, None], axis=-1, dtype=jnp.int32)
-            top_ids = top_logprobs = None
-            if num_logprobs > 0:
-                top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(num_logprobs, raw.shape[1]))
-                top_ids = top_ids.astype(jnp.int32)
-            out = SampleOutput(tokens, token_logprobs, ranks, top_ids, top_logprobs)
+        out = SampleOutput(tokens) if num_logprobs is None else with_logprobs(raw, tokens, num_logprobs)
 
         S = state.num_output.shape[0]
         kept = jnp.where(rows.emit, slots, S)  # S: dropped

@@ -15,14 +15,17 @@ the host; padding after). A verify step runs three programs, one after the other
    (one-hot q). The drafts' Engram rows are hashed on the device (`hash_drafts`), so the host
    need not see a draft before it is accepted;
 2. verifies: the target runs over [anchor, drafts] (`verify_target`: `model.step.verify_body`)
-   and each position's target distribution p is the request's own (logit bias, temperature,
-   min-p, top-k, top-p: `sampler.process_logits` / `truncate`, computed in `accept_drafts`);
+   and each position's target distribution p is the request's own, as a plain decode step
+   would sample from it after accepting the drafts before it (logit bias, min_tokens bans and
+   penalties counting those drafts as outputs, temperature, min-p, top-k, top-p:
+   `sampler.process_logits(earlier=)` / `truncate`, computed in `accept_drafts`);
 3. accepts losslessly (`accept_drafts`; `acceptance.accept`: min(1, p/q), a residual draw at the
    first rejection, the bonus token after the last draft; greedy rows keep the drafts equal to
-   the target's argmax); the request gains the a accepted drafts and one more token, and the
+   the target's argmax); the request gains the a accepted drafts and one more token (each with
+   its raw log-probabilities when the step's `Sampler` asks: `VerifyOutput.gained`), and the
    cache keeps the anchor and the accepted drafts (`roll_back` undoes the rest).
 
-A row with ℓ = 0 (a request that does not speculate) samples its one token with the plain
+A row with ℓ = 0 (no drafts this step: near its end, or a width of 0) samples its one token with the plain
 sampler, exactly as a decode step does (same noise, logprobs when asked).
 
 Three programs rather than one so that the two models (drafter, target) are each compiled once
@@ -38,10 +41,9 @@ or bonus token is drawn under its own position's mask. Acceptance stays lossless
 drafts are still drawn from the (unmasked) drafter's q.
 
 What is built: fixed-k and confidence-scheduled verification (the host chooses the step's
-width, or a plain decode step, from earlier steps' confidences: `verify_schedule.py`) of greedy and sampled requests whose
-logits do not depend on the tokens before them in the block (`speculatable`: no penalties, no
-min_tokens bans left, no logprobs), constrained or not, synchronous, on one device. Not yet: per-position penalties
-and logprobs, overlap with asynchronous scheduling and the mesh step.
+width, or a plain decode step, from earlier steps' confidences: `verify_schedule.py`) of every
+request (greedy or sampled, with penalties, min_tokens bans and logprobs, constrained or not),
+synchronous, on one device. Not yet: overlap with asynchronous scheduling and the mesh step.
 """
 
 from __future__ import annotations
@@ -61,12 +63,11 @@ from deepinfer.model.step import StepBatch, verify_body
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine.acceptance import DRAFT_STREAM, accept, stream_keys
 from deepinfer.serve.engine.sampler import (SampleOutput, SampleRows, Sampler, apply_bitmask, blocked_argmax, draw,
-                                            process_logits, slot_settings, truncate)
+                                            process_logits, slot_settings, truncate, with_logprobs)
 from deepinfer.serve.engine.sampling_state import SamplingState
-from deepinfer.serve.engine.types import SamplingParams
 
 __all__ = ["DraftInputs", "DraftProposal", "SpecDecodeCounts", "SpeculativeConfig", "VerifiedLogits", "VerifyOutput",
-           "accept_drafts", "propose_drafts", "speculatable", "verify_target"]
+           "accept_drafts", "propose_drafts", "verify_target"]
 
 METHODS = ("dspark",)
 KEYS = ("method", "num_speculative_tokens", "enable_adaptive_verification")
@@ -149,15 +150,6 @@ class SpecDecodeCounts:
                                                                  enumerate(self.accepted_per_pos)}}
 
 
-def speculatable(params: SamplingParams, num_output: int) -> bool:
-    """Whether a request that has generated `num_output` tokens verifies drafts in its next step:
-    greedy or sampled, constrained or not, as long as nothing makes a position's logits depend
-    on the drafts before it (penalties, min_tokens bans still active) and it asks for no
-    logprobs."""
-    return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
-            and num_output >= params.min_tokens and params.logprobs is None)
-
-
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DraftInputs:
@@ -180,7 +172,9 @@ class VerifyOutput:
     asked: what a row without drafts gained); `count [B]`; `accepted [B]`: drafts accepted;
     `drafts [B, K]`: the drafts verified; `confidence [B, N]`: the drafter's confidences of its
     whole block (N = `dspark_block_size`, whatever the step verified: what the host schedules
-    the next steps from)."""
+    the next steps from); `gained`: with log-probabilities asked (the step's `Sampler`), those of
+    each of `tokens` (`SampleOutput` fields `[B, K+1]` and `[B, K+1, n]`; entry j is decided by
+    the target's logits at the anchor's position + j), else None."""
 
     tokens: jax.Array
     sampled: SampleOutput
@@ -188,6 +182,7 @@ class VerifyOutput:
     accepted: jax.Array
     drafts: jax.Array
     confidence: jax.Array
+    gained: SampleOutput | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -297,9 +292,12 @@ def accept_drafts(cache: KVCache, state: SamplingState, batch: StepBatch, rows: 
     # rows without drafts: the plain sampler on the anchor's logits, exactly a decode step
     state, first = head(logits[:, 0], state, slots, dataclasses.replace(rows, emit=rows.emit & ~drafting))
 
-    # each verified position's target distribution, as the plain sampler would draw from it
+    # each verified position's target distribution, as the plain sampler would draw from it after
+    # accepting the drafts before it (they count as outputs for penalties and min_tokens bans)
     flat_slots, flat_live = jnp.repeat(slots, T), jnp.repeat(drafting, T)
-    processed = process_logits(logits.reshape(B * T, V), state, flat_slots, flat_live)
+    before = jnp.arange(T - 1)[None, None, :] < jnp.arange(T)[None, :, None]  # [1, T, K]: draft i precedes j
+    earlier = jnp.where(before, drafts[:, None, :], -1).reshape(B * T, T - 1)
+    processed = process_logits(logits.reshape(B * T, V), state, flat_slots, flat_live, earlier)
     flat = slot_settings(state, flat_slots)
 
     def scaled_logp(x):  # greedy rows' argmax is unchanged (temperature 1, truncation keeps it)
@@ -327,6 +325,10 @@ def accept_drafts(cache: KVCache, state: SamplingState, batch: StepBatch, rows: 
         state, num_output=state.num_output.at[kept].add(count, mode="drop"),
         last_token=state.last_token.at[kept].set(next_token, mode="drop"),
         output_counts=state.output_counts.at[at, gained].add(1, mode="drop"))
+    per_position = None
+    if head.num_logprobs is not None:  # raw log-probabilities, as the plain sampler's
+        per_position = with_logprobs(logits.reshape(B * T, V), gained.reshape(-1), head.num_logprobs)
+        per_position = jax.tree.map(lambda a: a.reshape(B, T, *a.shape[1:]), per_position)
     out = VerifyOutput(gained, first, count, jnp.where(drafting, accepted, 0).astype(jnp.int32), drafts,
-                       proposal.confidence)
+                       proposal.confidence, per_position)
     return cache, state, out

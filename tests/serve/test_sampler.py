@@ -182,6 +182,15 @@ def test_each_parameter_matches_the_numpy_reference(case):
     if case in ("repetition", "presence", "frequency", "logit_bias", "min_tokens"):
         assert not np.allclose(got, logits)  # the parameter did something
 
+    # tokens gained after the state was written (a verify position's earlier drafts) count as
+    # outputs: the same as a state that had them (-1: no token; the min_tokens boundary is crossed)
+    earlier = np.where(rng.random((B_REF, 3)) < 0.7, rng.integers(0, 40, (B_REF, 3)), -1).astype(np.int32)
+    got = np.asarray(_process(jnp.asarray(logits), state, jnp.asarray(slots, jnp.int32), jnp.ones(B_REF, bool),
+                              jnp.asarray(earlier)))
+    expected = np.stack([ref_process(logits[b], params[b], prompts[b], outputs[b] + [t for t in earlier[b] if t >= 0])
+                         for b in range(B_REF)])
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-5)
+
     _, out = draw(logits, state, positions, slots=slots)
     ref = [ref_token(logits[b], params[b], seeds[b], positions[b], prompts[b], outputs[b]) for b in range(B_REF)]
     assert np.asarray(out.tokens).tolist() == ref

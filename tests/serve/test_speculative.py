@@ -5,17 +5,22 @@ Numerics: fake-quant off (float32), so the verify step (6 tokens per row) and a 
 agree to ~1e-6 and a greedy token may differ only where the plain run's top-2 log-probabilities
 are a near-tie; the comparison stops at such a position (`_agree`). Prompts span several
 512-token prefill chunks at the engine's default chunking (compact prefill), mixed in one batch with
-short ones and with requests that do not speculate (logprobs, sampling)."""
+short ones, with sampled requests, a request that asks for logprobs and one whose penalties and
+min_tokens ban make each verified position's distribution depend on the drafts before it."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 
-from deepinfer.model import init_params, load_config
+from deepinfer.model import forward, init_params, load_config
 from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
-from deepinfer.serve.engine.speculative import SpeculativeConfig, speculatable
+from deepinfer.serve.engine.speculative import SpeculativeConfig
+from tests.serve.test_sampler import EOS, ref_process
+from tests.serve.test_steps import PROMPT_LEN as FORWARD_LEN
 
 PROMPTS = (9, 300, 700)
 MAX_TOKENS = 20
@@ -35,13 +40,26 @@ def _prompts():
     return [rng.integers(100, 100_000, n).tolist() for n in PROMPTS]
 
 
+# tokens 1000 and 2000 are biased to the top and lose 2 per time they were generated: the plain
+# run alternates between them for ~16 tokens, each choice decided by the counts of the tokens
+# before it, so a verify position that did not count the drafts before it (in the same block)
+# would choose otherwise (measured: from token 6 on, with the plain run's drafts offered)
+PENALTIES = dict(logit_bias={1000: 20.0, 2000: 20.0}, frequency_penalty=2.0)
+MIN_TOKENS = 8
+LOGPROBS = 2
+
+
 def _requests():
-    """(id, prompt, params): greedy requests that speculate, and two that do not."""
+    """(id, prompt, params): greedy and sampled requests, all speculating."""
     prompts = _prompts()
     out = [(f"greedy-{i}", p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
            for i, p in enumerate(prompts)]
     out.append(("logprobs", prompts[1], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                       logprobs=2)))
+                                                       logprobs=LOGPROBS)))
+    # verify position j sees the drafts before it as outputs: penalised, and EOS banned until
+    # MIN_TOKENS tokens (`sampler.process_logits(earlier=)`)
+    out.append(("penalized", prompts[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MIN_TOKENS,
+                                                        **PENALTIES)))
     out.append(("sampled", prompts[2], SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS,
                                                       ignore_eos=True)))
     # sampled, but top-k 1 leaves one token: its drafts, acceptance and draws take the sampled
@@ -79,8 +97,8 @@ def plain(model):
     # engines share their prefill programs
     engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, drafter_context=True))
     for rid, prompt, sp in _requests():
-        if sp.temperature == 0:
-            sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+        if sp.temperature == 0:  # the top log-probabilities that tell a near-tie
+            sp = dataclasses.replace(sp, logprobs=LOGPROBS + 1)
         engine.add_request(rid, prompt, sp)
     outputs = {}
     while engine.has_unfinished():
@@ -89,15 +107,58 @@ def plain(model):
     return outputs
 
 
-def _agree(got: list[int], ref) -> None:
+def _agree(got: list[int], ref) -> int:
     """Equal tokens up to the end, or up to a position where the reference's top two are a
-    near-tie (either token is then correct and the continuations differ)."""
+    near-tie (either token is then correct and the continuations differ); the tokens compared."""
     for i, token in enumerate(ref.token_ids):
         if got[i] != token:
             top = sorted((lp.logprob for lp in ref.logprobs[i].values()), reverse=True)
             assert top[0] - top[1] < NEAR_TIE, f"token {i}: {got[i]} != {token} (top-2 gap {top[0] - top[1]:.2e})"
-            return
+            return i
     assert len(got) == len(ref.token_ids)
+    return len(got)
+
+
+def _greedy_after_processing(model, prompt: list[int], params: SamplingParams, tokens: list[int]) -> None:
+    """Each of `tokens` is the argmax of the logits after its prefix as the sampler processes them
+    (bias, min_tokens ban, penalties counting the tokens before it: `test_sampler.ref_process`),
+    within the verify step's rounding: the model's logits from one causal forward over the prompt
+    and the tokens, padded to `FORWARD_LEN` (test_steps compiles the same forward)."""
+    config, params_tree, _ = model
+    seq = list(prompt) + list(tokens[:-1])
+    assert len(seq) <= FORWARD_LEN and EOS == config.eos_token_id
+    padded = np.full(FORWARD_LEN, config.pad_token_id, np.int32)
+    padded[:len(seq)] = seq
+    logits = np.asarray(forward(params_tree, config, padded))[len(prompt) - 1:len(seq)]
+    for i, (row, token) in enumerate(zip(logits, tokens)):
+        x = ref_process(row, params, prompt, list(tokens[:i]))
+        assert x[token] >= x.max() - 1e-4 * np.abs(x).max(), (
+            f"token {i}: {token} scores {x[token]:.6f}, {int(x.argmax())} scores {x.max():.6f} after processing")
+
+
+def _check(model, plain, rid: str, got: list[int]) -> None:
+    """A greedy request's output: the plain run's (`_agree`), or for the penalised request the
+    processed argmax at every position (`_greedy_after_processing`)."""
+    if rid == "penalized":
+        prompt, params = next((p, sp) for r, p, sp in _requests() if r == rid)
+        _greedy_after_processing(model, prompt, params, got)
+    else:
+        _agree(got, plain[REFERENCE.get(rid, rid)])
+
+
+def _logprobs_agree(got, ref) -> None:
+    """Each token's raw log-probability, rank and top alternatives as the plain run's while the
+    tokens agree (the verify step computes them from its own logits: ~1e-6 apart). The plain run
+    asked for one alternative more, which tells a near-tie for the last place."""
+    for i in range(_agree(got.token_ids, ref)):
+        ours, theirs = got.logprobs[i], ref.logprobs[i]
+        token = got.token_ids[i]
+        assert ours[token].rank == theirs[token].rank, (i, ours, theirs)
+        ranked = sorted(theirs, key=lambda t: -theirs[t].logprob)
+        last, next_ = (theirs[t].logprob for t in ranked[LOGPROBS - 1:LOGPROBS + 1])
+        assert set(ours) == set(ranked[:LOGPROBS]) or last - next_ < NEAR_TIE, (i, ours, theirs)
+        for t in set(ours) & set(theirs):
+            assert abs(ours[t].logprob - theirs[t].logprob) < 1e-4, (i, t, ours[t], theirs[t])
 
 
 def test_greedy_speculation_equals_plain_decoding(model, plain):
@@ -105,11 +166,12 @@ def test_greedy_speculation_equals_plain_decoding(model, plain):
     assert engine.spec_counts.num_draft_tokens > 0
     for rid, _, sp in _requests():
         if sp.temperature == 0 or rid in REFERENCE:
-            _agree(outputs[rid].token_ids, plain[REFERENCE.get(rid, rid)])
+            _check(model, plain, rid, outputs[rid].token_ids)
         else:  # a sampled request speculates too: same distribution, other draws (test_acceptance.py)
             assert len(outputs[rid].token_ids) == MAX_TOKENS
-    # logprobs come back for the request that asked (it decodes one token per verify step)
+    # the logprobs of every token, accepted drafts included, as plain decoding's
     assert len(outputs["logprobs"].logprobs) == MAX_TOKENS
+    _logprobs_agree(outputs["logprobs"], plain["logprobs"])
 
 
 def test_confidence_scheduled_verification_equals_plain_decoding(model, plain):
@@ -134,7 +196,7 @@ def test_confidence_scheduled_verification_equals_plain_decoding(model, plain):
     assert engine.verify_schedule.step_seconds.tolist() == list(seconds)
     for rid, _, sp in _requests():
         if sp.temperature == 0 or rid in REFERENCE:
-            _agree(outputs[rid].token_ids, plain[REFERENCE.get(rid, rid)])
+            _check(model, plain, rid, outputs[rid].token_ids)
         else:
             assert len(outputs[rid].token_ids) == MAX_TOKENS
     assert set(widths) == {0, K}, widths
@@ -147,7 +209,7 @@ def test_confidence_scheduled_verification_equals_plain_decoding(model, plain):
 def test_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(model, plain):
     """Host drafts (`Request.host_drafts`) replaced by the reference continuation with one wrong
     token at a random place (or none): every verify step accepts exactly the right prefix and
-    the output is unchanged. Greedy requests only: their acceptance is exact."""
+    the output and its logprobs are unchanged. Greedy requests only: their acceptance is exact."""
     rng = np.random.default_rng(0)
     injected = []  # (request, output length, drafts offered)
 
@@ -155,7 +217,7 @@ def test_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(model, plai
         for rid, request in engine.requests.items():
             ref = plain[REFERENCE.get(rid, rid)].token_ids
             n = len(request.output_ids)
-            if not request.output_ids or not speculatable(request.params, n) or n >= len(ref):
+            if not request.output_ids or n >= len(ref):
                 continue
             drafts = list(ref[n:n + K])
             wrong = rng.integers(0, K + 2)  # K, K+1: all right
@@ -168,15 +230,16 @@ def test_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(model, plai
     exact = [r for r in _requests() if r[2].temperature == 0 or r[0] in REFERENCE]
     engine, outputs = _run(model, SpeculativeConfig(num_speculative_tokens=K), inject, exact)
     for rid, _, sp in exact:
-        _agree(outputs[rid].token_ids, plain[REFERENCE.get(rid, rid)])
+        _check(model, plain, rid, outputs[rid].token_ids)
     expected = 0
     for rid, n, drafts in injected:
         got = outputs[rid].token_ids[n:n + len(drafts)]
         expected += next((j for j, (d, t) in enumerate(zip(drafts, got)) if d != t), len(drafts))
     assert engine.spec_counts.num_accepted_tokens == expected
-    greedy = [rid for rid, _, sp in exact if sp.logprobs is None]
     # most tokens came from accepted drafts: far fewer steps than tokens
-    assert expected >= len(greedy) * MAX_TOKENS // 3, expected
+    assert expected >= len(exact) * MAX_TOKENS // 3, expected
+    # the logprobs of accepted drafts and of the token after them, as plain decoding's
+    _logprobs_agree(outputs["logprobs"], plain["logprobs"])
 
 
 def test_speculative_config_is_checked(model):

@@ -202,7 +202,7 @@ def test_dspark_verifies_constrained_drafts_under_a_mask_per_position(model, mix
     (random) drafter's own drafts, greedy outputs equal plain decoding and sampled ones are
     valid; the step kinds show the split."""
     _, plain = mixed
-    requests = _constrained(logprobs=None)  # (logprobs would keep a request from speculating)
+    requests = _constrained(logprobs=None)
     engine, spec = _run(model, requests, speculative=SpeculativeConfig(num_speculative_tokens=5))
     assert engine.spec_counts.num_draft_tokens > 0
     assert {"verify/propose", "verify/check+masks"} <= {key[0] for key in engine.runner.compile_seconds}
