@@ -119,11 +119,30 @@ def ref_keep(scaled, p):
 
 def ref_token(x, p, seed, position, prompt=(), output=()):
     """The reference sampler for one row: processing, masks and the two-level Gumbel-max draw."""
+    return ref_token_margin(x, p, seed, position, prompt, output)[0]
+
+
+def _gap(values):
+    """The best minus the second best of `values` (inf when fewer than two are finite)."""
+    finite = np.sort(values[np.isfinite(values)])
+    return float(finite[-1] - finite[-2]) if len(finite) > 1 else np.inf
+
+
+def ref_token_margin(x, p, seed, position, prompt=(), output=()):
+    """`(token, margin)`: `ref_token`'s token, and by how much its choices were made: the
+    smallest gap between the best and the second best of the processed logits (greedy) or of the
+    perturbed block and token scores of the draw, and between the top-k-th and the next scaled
+    logit where top-k cuts. Logits off by less than about half the margin choose the same token."""
     processed = ref_process(x, p, list(prompt), list(output))
     t = getattr(p, "temperature", 1.0)
     if t < 1e-5:
-        return int(np.argmax(processed))
+        return int(np.argmax(processed)), _gap(processed)
     scaled = processed.astype(np.float64) / np.float32(t)
+    margin = np.inf
+    k = getattr(p, "top_k", 0) or 0
+    if 0 < k < len(scaled):
+        ordered = np.sort(scaled)[::-1]
+        margin = ordered[k - 1] - ordered[k]
     scaled = np.where(ref_keep(scaled, p), scaled, -np.inf)
     V = len(scaled)
     nb = -(-V // S.BLOCK)
@@ -135,9 +154,12 @@ def ref_token(x, p, seed, position, prompt=(), output=()):
         safe = np.where(np.isfinite(top), top, 0.0)
         lse = np.log(np.exp(blocks - safe[:, None]).sum(-1)) + safe
     key = ref_key(seed, position)
-    b = int(np.argmax(lse + ref_gumbel(_mix(key ^ np.uint32(0x5BD1E995)), np.arange(nb))))
+    block_scores = lse + ref_gumbel(_mix(key ^ np.uint32(0x5BD1E995)), np.arange(nb))
+    b = int(np.argmax(block_scores))
     ids = b * S.BLOCK + np.arange(S.BLOCK)
-    return int(b * S.BLOCK + np.argmax(blocks[b] + ref_gumbel(key, ids)))
+    token_scores = blocks[b] + ref_gumbel(key, ids)
+    margin = min(margin, _gap(block_scores), _gap(token_scores))
+    return int(b * S.BLOCK + np.argmax(token_scores)), float(margin)
 
 
 # ------------------------------------------------------------------- parameters vs reference
