@@ -25,8 +25,8 @@ the host; padding after). A verify step runs three programs, one after the other
    its raw log-probabilities when the step's `Sampler` asks: `VerifyOutput.gained`), and the
    cache keeps the anchor and the accepted drafts (`roll_back` undoes the rest).
 
-A row with ℓ = 0 (no drafts this step: near its end, or a width of 0) samples its one token with the plain
-sampler, exactly as a decode step does (same noise, logprobs when asked).
+A row with ℓ = 0 (no drafts this step: near its end, or a width of 0) samples its one token
+with the plain sampler, exactly as a decode step does (same noise, logprobs when asked).
 
 Three programs rather than one so that the two models (drafter, target) are each compiled once
 per step shape, whatever the sampler is asked for: masks and log-probabilities select one of the
