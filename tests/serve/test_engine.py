@@ -5,13 +5,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from deepinfer.model import forward, init_params, load_config
+from deepinfer.model import init_params, load_config
 from deepinfer.model.drafter import draft_after
 from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import AdmissionError, CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
-from tests.serve.test_steps import PROMPT_LEN as FORWARD_LEN
+from tests.continuation import continuation_logits
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -46,16 +46,9 @@ def run(engine):
 
 def is_greedy_continuation(model, ids, tokens):
     """One causal forward over prompt + output: each output token must be the argmax after its
-    prefix (by causality, the same as a step-by-step greedy loop). The sequence is right-padded
-    to FORWARD_LEN (causal: padding after a position cannot change its logits), so every call
-    runs one compiled forward, the one test_steps.py compiles too (the run's cache shares it)."""
+    prefix (by causality, the same as a step-by-step greedy loop; `tests/continuation.py`)."""
     config, params, _ = model
-    seq = list(ids) + list(tokens[:-1])
-    assert len(seq) <= FORWARD_LEN, f"{len(seq)} tokens: raise FORWARD_LEN"
-    padded = np.full(FORWARD_LEN, config.pad_token_id, np.int32)
-    padded[:len(seq)] = seq
-    logits = np.asarray(forward(params, config, padded))
-    return logits[len(ids) - 1:len(seq)].argmax(-1).tolist() == list(tokens)
+    return continuation_logits(config, params, ids, tokens).argmax(-1).tolist() == list(tokens)
 
 
 def test_requests_join_and_leave_between_steps(model):

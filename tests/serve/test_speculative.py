@@ -13,14 +13,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from deepinfer.model import forward, init_params, load_config
+from deepinfer.model import init_params, load_config
 from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
 from deepinfer.serve.engine.speculative import SpeculativeConfig
 from tests.serve.test_sampler import EOS, ref_process
-from tests.serve.test_steps import PROMPT_LEN as FORWARD_LEN
+from tests.continuation import continuation_logits
 
 PROMPTS = (9, 300, 700)
 MAX_TOKENS = 20
@@ -123,13 +123,10 @@ def _greedy_after_processing(model, prompt: list[int], params: SamplingParams, t
     """Each of `tokens` is the argmax of the logits after its prefix as the sampler processes them
     (bias, min_tokens ban, penalties counting the tokens before it: `test_sampler.ref_process`),
     within the verify step's rounding: the model's logits from one causal forward over the prompt
-    and the tokens, padded to `FORWARD_LEN` (test_steps compiles the same forward)."""
+    and the tokens (`tests/continuation.py`)."""
     config, params_tree, _ = model
-    seq = list(prompt) + list(tokens[:-1])
-    assert len(seq) <= FORWARD_LEN and EOS == config.eos_token_id
-    padded = np.full(FORWARD_LEN, config.pad_token_id, np.int32)
-    padded[:len(seq)] = seq
-    logits = np.asarray(forward(params_tree, config, padded))[len(prompt) - 1:len(seq)]
+    assert EOS == config.eos_token_id
+    logits = continuation_logits(config, params_tree, prompt, tokens)
     for i, (row, token) in enumerate(zip(logits, tokens)):
         x = ref_process(row, params, prompt, list(tokens[:i]))
         assert x[token] >= x.max() - 1e-4 * np.abs(x).max(), (

@@ -21,7 +21,7 @@ from deepinfer.sharding.eplb import device_load, imbalance
 from tests.argmax_check import assert_argmax_agrees
 from tests.choice_margins import near_tie_finder
 from tests.serve.test_sampler import ref_token_margin
-from tests.serve.test_steps import PROMPT_LEN as FORWARD_LEN
+from tests.continuation import FORWARD_LEN, continuation_logits
 
 N_REQUESTS = 4
 NEAR_TIE = 1e-5  # a choice of the forward decided by less than this (relative) may go either way
@@ -77,12 +77,8 @@ def _undisputed(model, find, ids: list[int], sampling: SamplingParams, tokens: l
     before it must be what the numpy sampler draws from the forward's logits (a check of the
     one-device engine too)."""
     config, params, _ = model
-    seq = list(ids) + list(tokens[:-1])
-    assert len(seq) <= length
-    first = max(0, find(seq) - len(ids) + 1)  # output i is decided at position len(ids) - 1 + i
-    padded = np.full(length, config.pad_token_id, np.int32)
-    padded[:len(seq)] = seq
-    logits = np.asarray(forward(params, config, padded))[len(ids) - 1:len(seq)]
+    first = max(0, find(list(ids) + list(tokens[:-1])) - len(ids) + 1)  # output i: position len(ids) - 1 + i
+    logits = continuation_logits(config, params, ids, tokens, length)
     tie = TOKEN_TIE * np.abs(logits).max() / max(sampling.temperature, 1e-5 if sampling.temperature else 1.0)
     for i in range(first):
         token, margin = ref_token_margin(logits[i], sampling, sampling.seed or 0, len(ids) + i, ids, tokens[:i])
