@@ -72,7 +72,10 @@ def output_projection(p: dict, config: ModelConfig, layer: int, o: jax.Array, po
     G = config.o_groups
     grouped = o.reshape(B, T, G, H * hd // G)
     w = dequantize(p["wo_a"], o.dtype).reshape(G, config.o_lora_rank, H * hd // G)
-    mid = jnp.einsum("btgi,gri->btgr", grouped, w).reshape(B, T, G * config.o_lora_rank)
+    # the tokens as the product's rows (lhs): `jnp.einsum` would make the weight the lhs, and a
+    # batch-invariant program tiles the rows only (`ops.batch_invariant`)
+    mid = jax.lax.dot_general(grouped, w, (((3,), (2,)), ((2,), (0,))))  # [G, B, T, r]
+    mid = jnp.transpose(mid, (1, 2, 0, 3)).reshape(B, T, G * config.o_lora_rank)
     return linear(mid, p["wo_b"])
 
 

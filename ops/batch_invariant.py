@@ -12,12 +12,22 @@ computed in blocks of one fixed shape: the operands are brought to `[batch, M, K
 (as a checkpoint's `[out, in]` weights already are), padded to whole `TileShape` blocks, and a
 loop over the blocks (`lax.fori_loop`, its trip count hidden from XLA so that one block runs in
 the same loop body as many) computes one `[bt, tm, K] x [bt, N, K]` product per iteration. K is
-never split. Loops, conditionals and nested calls are transformed inside.
+never split. The tiles cut the rows (lhs) only: the model writes its products with the tokens
+as the lhs (`tests/test_batch_invariant.py` checks that no column count follows the batch).
+Loops, conditionals and nested calls are transformed inside.
 
-The rest of a row's arithmetic is already computed from that row alone, but on CPU XLA hands
-larger element-wise fusions and reductions to the YNNPACK library, whose `exp` and summation
-order differ from XLA's own code: `XLA_CPU_OPTIONS` turns those fusions off for the programs
-that must be invariant (per compilation, through `jax.jit(compiler_options=...)`).
+The rest of a row's arithmetic is computed from that row alone, but not always in one way:
+- on CPU XLA hands larger element-wise fusions and reductions to the YNNPACK library, whose
+  `exp` and summation order differ from XLA's own code: `XLA_CPU_OPTIONS` turns those fusions
+  off for the programs that must be invariant (per compilation, `jax.jit(compiler_options=...)`);
+- XLA's own `exp`, `log1p`, `logistic`, `rsqrt`, `tanh` give an element one ulp apart depending
+  on its place in the array (vectorised body or scalar remainder): they are evaluated with
+  `ops.invariant_math` instead, made of correctly rounded operations only;
+- a float sum of a few elements (mHC's 4-element Sinkhorn sums) is emitted with an order that
+  depends on the array's other dimensions: sums of up to `_SHORT_SUM` elements are written out
+  as additions in index order.
+With these, a token's logits are the same bits in a prefill chunk, a decode step of two or more
+rows and a verify step (tested); a step of one row and one token still differs (cause not found).
 
 This is the CPU and reference path of `EngineConfig(deterministic=True)`; what the model adds
 itself (one order of the attention keys, cached and new keys read alike) is in
@@ -28,12 +38,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, wraps
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from deepinfer.ops.invariant_math import INVARIANT_PRIMITIVES
 
 __all__ = ["TileShape", "XLA_CPU_OPTIONS", "batch_invariant", "compiler_options", "invariant_dot_general"]
 
@@ -172,6 +184,29 @@ def _unrolled_scan(invals: list, *, jaxpr: ClosedJaxpr, length: int, reverse: bo
     return [*carry, *stacked]
 
 
+# Float sums over at most this many elements are written out as additions in index order.
+_SHORT_SUM = 32
+
+
+def _short_float_sum(x: jax.Array, axes: tuple[int, ...]) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and math.prod(x.shape[a] for a in axes) <= _SHORT_SUM
+
+
+def _sum_in_order(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """`reduce_sum(x, axes)` as ((x_0 + x_1) + x_2) + ...: XLA CPU emits a short reduction
+    (mHC's 4-element row and column sums of its Sinkhorn passes) with a summation order that
+    depends on the array's other dimensions, so the same row changed in the last bit with the
+    number of tokens in the step; additions written out have one order."""
+    kept = [d for d in range(x.ndim) if d not in axes]
+    flat = jnp.transpose(x, (*kept, *axes)).reshape(*(x.shape[d] for d in kept), -1)
+    if flat.shape[-1] == 0:
+        return jnp.zeros(flat.shape[:-1], x.dtype)
+    total = flat[..., 0]
+    for i in range(1, flat.shape[-1]):
+        total = total + flat[..., i]
+    return total
+
+
 def _eval(jaxpr: Jaxpr, consts, *args, tile: TileShape):
     """Evaluate `jaxpr` on `args` (tracers of the enclosing `jit`), binding every equation as
     it is except the products, short scans and nested calls (module docstring)."""
@@ -189,6 +224,10 @@ def _eval(jaxpr: Jaxpr, consts, *args, tile: TileShape):
         name = eqn.primitive.name
         if name == "dot_general":
             outs = invariant_dot_general(*invals, tile=tile, **eqn.params)
+        elif name in INVARIANT_PRIMITIVES:
+            outs = INVARIANT_PRIMITIVES[name](*invals)
+        elif name == "reduce_sum" and _short_float_sum(invals[0], eqn.params["axes"]):
+            outs = _sum_in_order(invals[0], eqn.params["axes"])
         elif name == "scan" and eqn.params["length"] <= _UNROLL_SCANS:
             outs = _unrolled_scan(invals, tile=tile, **eqn.params)
         elif name in _INLINE and isinstance(eqn.params.get(_INLINE[name]), ClosedJaxpr):
@@ -207,6 +246,7 @@ def batch_invariant(fn: Callable, tile: TileShape = TileShape()) -> Callable:
     """`fn` with every matrix product computed in fixed `tile` blocks (module docstring). Traced
     once per call (use it inside `jax.jit`); keyword arguments are passed through as static."""
 
+    @wraps(fn)  # the signature, for `jax.jit`'s static and donated arguments
     def wrapped(*args, **kwargs):
         closed, shape = jax.make_jaxpr(partial(fn, **kwargs), return_shape=True)(*args)
         leaves = jax.tree_util.tree_leaves(args)

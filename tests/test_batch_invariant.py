@@ -95,9 +95,10 @@ def tiny():
     return config, init_params(config, seed=3)
 
 
-def _logits(config, params, chunks, kernels, rows=None, decode_rows=3):
-    """All-position logits of a 301-token prompt prefilled in `chunks` (with `rows` rows), then
-    decoded to 305 tokens in steps of `decode_rows` rows."""
+def _logits(config, params, chunks, kernels, rows=None, decode_rows=3, step_tokens=1):
+    """All-position logits of a 305-token sequence prefilled in `chunks` (with `rows` rows), the
+    rest in steps of `decode_rows` rows of `step_tokens` tokens (1: decode steps; more: steps
+    shaped as DSpark's verify steps)."""
     ids = np.random.default_rng(11).integers(3, 128000, 305)
     layout = CacheLayout(num_slots=3, page_size=64, num_pages=24, max_pages_per_slot=8, storage=PACKED)
     runner = ModelRunner(params, config, layout, kernels=kernels)
@@ -109,9 +110,13 @@ def _logits(config, params, chunks, kernels, rows=None, decode_rows=3):
         out.append(runner.run(work, table, rows=rows or 1, tokens=token_bucket(n), all_logits=True)[0, :n])
         start += n
     while start < len(ids):
-        out.append(runner.run([ChunkWork(1, ids[start:start + 1], start, ids[:start], 0)], table,
-                              rows=decode_rows, tokens=1))
-        start += 1
+        n = min(step_tokens, len(ids) - start)
+        work = [ChunkWork(1, ids[start:start + n], start, ids[:start], 0)]
+        if step_tokens == 1:
+            out.append(runner.run(work, table, rows=decode_rows, tokens=1))
+        else:
+            out.append(runner.run(work, table, rows=decode_rows, tokens=step_tokens, all_logits=True)[0, :n])
+        start += n
     return np.concatenate(out)
 
 
@@ -121,3 +126,54 @@ def test_invariant_step_logits_do_not_depend_on_chunking_or_rows(tiny):
     kernels = KernelConfig(batch_invariant=True)
     reference = _logits(config, params, [128, 128, 45], kernels)
     np.testing.assert_array_equal(_logits(config, params, [256, 45], kernels, rows=2), reference)
+
+
+def test_decode_and_verify_steps_give_the_prefill_chunk_bits(tiny):
+    """A token's logits are the same bits whether a prefill chunk, a decode step (2 or 8 rows) or
+    a verify-shaped step (4 rows of 6 tokens, the last one partly filled) computes it: what
+    DSpark in deterministic mode rests on. Before `ops.invariant_math`, the short sums in order
+    and the tokens-first products, positions 296-304 differed by up to 7e-6. (A step of one
+    row and one token still differs: the engine never runs one with speculative decoding on.)"""
+    config, params = tiny
+    kernels = KernelConfig(batch_invariant=True)
+    prefill = _logits(config, params, [128, 128, 49], kernels)
+    for rows, tokens in ((2, 1), (8, 1), (4, 6)):
+        got = _logits(config, params, [128, 128, 40], kernels, decode_rows=rows, step_tokens=tokens)
+        np.testing.assert_array_equal(got, prefill, err_msg=f"{rows} rows x {tokens} tokens")
+
+
+def test_no_product_of_the_invariant_step_has_columns_that_follow_the_batch(tiny, monkeypatch):
+    """The tiles cut a product's rows (lhs), never its columns: a product whose rhs holds the
+    tokens (`einsum` may order a weight first) would be a matrix-vector product for one token
+    and a matrix product for more. Traced only: each product's column count at four step shapes."""
+    import math
+
+    import deepinfer.ops.batch_invariant as bi
+    from deepinfer.model.step import step_body
+
+    config, params = tiny
+    kernels = KernelConfig(batch_invariant=True)
+    columns, plain = [], bi.invariant_dot_general
+
+    def recording(lhs, rhs, *, dimension_numbers, **kw):
+        (_, rc), (_, rb) = dimension_numbers
+        columns.append(math.prod(rhs.shape[d] for d in range(rhs.ndim) if d not in rc and d not in rb))
+        return plain(lhs, rhs, dimension_numbers=dimension_numbers, **kw)
+
+    monkeypatch.setattr(bi, "invariant_dot_general", recording)
+    layout = CacheLayout(num_slots=3, page_size=64, num_pages=24, max_pages_per_slot=8, storage=PACKED)
+    runner = ModelRunner(params, config, layout, kernels=kernels)
+    table = np.full((3, 8), -1, np.int32)
+    table[1, :6] = (5, 17, 2, 11, 20, 8)
+    ids = np.arange(3, 400)
+    seen = {}
+    for rows, tokens in ((1, 1), (2, 1), (1, 3), (3, 5)):
+        columns.clear()
+        batch = runner._batch([ChunkWork(1, ids[296:296 + tokens], 296, ids[:296], 0)], table, rows, tokens)[0]
+        batch = jax.tree.map(jnp.asarray, batch)
+        jax.make_jaxpr(lambda p, c, b: step_body(p, c, b, config=config, layout=layout, all_logits=True,
+                                                 kernels=kernels))(runner.params, runner.cache, batch)
+        seen[(rows, tokens)] = list(columns)
+    assert len(seen[(1, 1)]) > 50
+    for shape, counts in seen.items():
+        assert counts == seen[(1, 1)], shape

@@ -10,13 +10,19 @@ import jax.numpy as jnp
 from deepinfer.pallas_kernels.registry import REFERENCE, register
 
 
+def _tokens_first(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum("nd,efd->enf")` with the tokens as the product's rows (lhs), which a
+    batch-invariant program tiles (`ops.batch_invariant`; `jnp.einsum` makes the weight the lhs)."""
+    return jnp.transpose(jax.lax.dot_general(x, w.astype(x.dtype), (((1,), (2,)), ((), ()))), (1, 0, 2))
+
+
 @register("moe_experts", REFERENCE, why="plain jnp: every expert on every token, dense combine weights")
 def moe_experts(x: jax.Array, combine: jax.Array, w1: jax.Array, w3: jax.Array, w2: jax.Array,
                 swiglu_limit: float) -> jax.Array:
     """x `[N, D]`, combine `[N, E]` (route weight, 0 if unselected), w1/w3 `[E, F, D]`,
     w2 `[E, D, F]` dense -> `[N, D]` fp32 sum over experts of w2(silu(g) * u * weight)."""
-    gate = jnp.einsum("nd,efd->enf", x, w1.astype(x.dtype)).astype(jnp.float32)
-    up = jnp.einsum("nd,efd->enf", x, w3.astype(x.dtype)).astype(jnp.float32)
+    gate = _tokens_first(x, w1).astype(jnp.float32)
+    up = _tokens_first(x, w3).astype(jnp.float32)
     if swiglu_limit > 0:
         up = jnp.clip(up, -swiglu_limit, swiglu_limit)
         gate = jnp.minimum(gate, swiglu_limit)
