@@ -229,8 +229,8 @@ class LLM:
             tokens, so the host's work overlaps the device's (stop rules then see a token one
             step late; the extra token is dropped). False: one step at a time.
         deterministic: batch-invariant inference: a request's tokens and logprobs are the same bits
-            whatever else runs with it and however its prompt is chunked (one device, no
-            speculative decoding; see `EngineConfig.deterministic`).
+            whatever else runs with it, however its prompt is chunked, and with or without
+            speculative decoding (one device; see `EngineConfig.deterministic`).
         enable_prefix_caching, prefix_replay: share full prompt pages between requests by their
             tokens (`deepinfer.serve.engine.prefix_cache`); a hit rebuilds the sequence's window
             state by replaying the hit's last 128 tokens ("bounded", V4.1's encoder-side bounded

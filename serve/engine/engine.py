@@ -120,7 +120,9 @@ class EngineConfig:
     # same bits whatever else is in the batch, its row, and how its prompt was chunked; the step
     # computes every product in fixed tiles and each query's keys in one order
     # (`KernelConfig.batch_invariant`), and a request without a seed samples with one derived
-    # from its prompt (not from its arrival). One device, no speculative decoding yet.
+    # from its prompt (not from its arrival). With speculative decoding, a draft is accepted iff
+    # it is the token the plain sampler draws there (`accept_drafts(by_sample=True)`): the same
+    # bits as without. One device.
     deterministic: bool = False
     # share full prompt pages between requests by their tokens and rebuild the per-sequence
     # state of a hit by replay (`prefix_cache.py`); None: every prompt is computed from its start
@@ -154,9 +156,11 @@ class LLMEngine:
         if engine_config.deterministic:
             if mesh is not None:
                 raise ValueError("deterministic: batch-invariant inference runs on one device for now (no mesh)")
-            if engine_config.speculative is not None:
-                raise ValueError("deterministic: not available with speculative decoding yet (a verify step does "
-                                 "not yet reproduce a decode step's bits at every position)")
+            if engine_config.speculative is not None and engine_config.budget.num_slots < 2:
+                # measured: a step of one row of one token (XLA CPU) is up to 3e-6 off the same
+                # token in any wider step, and a verify step is always wider
+                raise ValueError("deterministic: speculative decoding needs budget.num_slots >= 2 (a decode step of "
+                                 "one row does not give a verify step's bits)")
             engine_config = dataclasses.replace(engine_config, kernels=dataclasses.replace(
                 engine_config.kernels or KernelConfig(), batch_invariant=True))
         self.engine_config = engine_config

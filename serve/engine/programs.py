@@ -25,7 +25,7 @@ import jax
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.kv_cache import CacheLayout
 from deepinfer.model.step import step_body
-from deepinfer.ops.batch_invariant import compiler_options
+from deepinfer.ops.batch_invariant import batch_invariant, compiler_options
 from deepinfer.pallas_kernels.registry import KernelConfig, platform_info
 from deepinfer.serve.engine.device_step import model_rows, sample_logits, sampler_rows, step_logits
 from deepinfer.serve.engine.sampler import Sampler
@@ -53,10 +53,18 @@ class StepPrograms:
         self.forward = jit(partial(step_body, **bound), static_argnames=("all_logits", "decoder"),
                            donate_argnums=(1,))
         self.logits = jit(partial(step_logits, **bound), donate_argnums=(1,))
-        self.sample_logits = jit(sample_logits, static_argnames=("head",), donate_argnums=(1,))
         self.propose = jit(partial(propose_drafts, **bound))
         self.target = jit(partial(verify_target, **bound), donate_argnums=(1,))
-        self.accept = jit(accept_drafts, static_argnames=("head",), donate_argnums=(0, 1))
+        if kernels is not None and kernels.batch_invariant:
+            # the samplers invariant too (their exp, log and short sums: `ops.batch_invariant`),
+            # and a draft accepted iff it is the token the plain sampler draws at its position:
+            # a verify step then gains a decode step's bits (`accept_drafts(by_sample=True)`)
+            self.sample_logits = jit(batch_invariant(sample_logits), static_argnames=("head",), donate_argnums=(1,))
+            self.accept = jit(batch_invariant(partial(accept_drafts, by_sample=True)), static_argnames=("head",),
+                              donate_argnums=(0, 1))
+        else:
+            self.sample_logits = jit(sample_logits, static_argnames=("head",), donate_argnums=(1,))
+            self.accept = jit(accept_drafts, static_argnames=("head",), donate_argnums=(0, 1))
 
 
 def _compiler_options(kernels: KernelConfig | None) -> dict[str, str] | None:

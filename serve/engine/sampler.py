@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from deepinfer.serve.engine import placeholders
 from deepinfer.serve.engine.sampling_state import SamplingState
 
-__all__ = ["BLOCK", "SampleOutput", "SampleRows", "Sampler", "apply_bitmask", "blocked_argmax", "draw", "gumbel", "process_logits",
+__all__ = ["BLOCK", "SampleOutput", "SampleRows", "Sampler", "apply_bitmask", "blocked_argmax", "choose", "draw", "gumbel", "process_logits",
            "row_keys", "sample", "slot_settings", "truncate", "with_logprobs"]
 
 BLOCK = 256
@@ -271,6 +271,23 @@ def with_logprobs(raw: jax.Array, tokens: jax.Array, num_logprobs: int) -> Sampl
 # ---------------------------------------------------------------------------------- the step
 
 
+def choose(processed: jax.Array, p: dict[str, jax.Array], emit: jax.Array, position: jax.Array) -> jax.Array:
+    """Step 3, each row's token from its processed logits `[B, V]` (`process_logits`) and
+    settings `p` (`slot_settings`): the argmax for greedy rows; for sampled rows, temperature,
+    truncation and the two-level Gumbel draw keyed by (seed, `position`), the position of the
+    token being sampled. `emit`: rows whose draw counts (the others are not truncated)."""
+    greedy = blocked_argmax(processed)
+    is_random = p["temperature"] > 0
+    live = emit & is_random
+
+    def draw_random(x):
+        scaled = x / jnp.where(is_random, p["temperature"], 1.0)[:, None]
+        return draw(truncate(scaled, p, live), row_keys(p["seed"], position))
+
+    drawn = jax.lax.cond(jnp.any(live), draw_random, lambda x: greedy, processed)
+    return jnp.where(is_random, drawn, greedy).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, state: SamplingState, slots: jax.Array, rows: SampleRows, *,
            num_logprobs: int | None = None) -> tuple[SamplingState, SampleOutput]:
     """One token per row of `logits [B, V]` (traced inside the step; see the module docstring).
@@ -282,17 +299,7 @@ def sample(logits: jax.Array, state: SamplingState, slots: jax.Array, rows: Samp
         if rows.allowed is not None:  # structured output: before everything, as in vLLM
             raw = apply_bitmask(raw, rows.allowed)
         processed = process_logits(raw, state, slots, rows.emit)
-        p = slot_settings(state, slots)
-        greedy = blocked_argmax(processed)
-        is_random = p["temperature"] > 0
-        live = rows.emit & is_random
-
-        def draw_random(x):
-            scaled = x / jnp.where(is_random, p["temperature"], 1.0)[:, None]
-            return draw(truncate(scaled, p, live), row_keys(p["seed"], rows.position))
-
-        drawn = jax.lax.cond(jnp.any(live), draw_random, lambda x: greedy, processed)
-        tokens = jnp.where(is_random, drawn, greedy).astype(jnp.int32)
+        tokens = choose(processed, slot_settings(state, slots), rows.emit, rows.position)
 
         out = SampleOutput(tokens) if num_logprobs is None else with_logprobs(raw, tokens, num_logprobs)
 

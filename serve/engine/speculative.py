@@ -43,7 +43,8 @@ drafts are still drawn from the (unmasked) drafter's q.
 What is built: fixed-k and confidence-scheduled verification (the host chooses the step's
 width, or a plain decode step, from earlier steps' confidences: `verify_schedule.py`) of every
 request (greedy or sampled, with penalties, min_tokens bans and logprobs, constrained or not),
-synchronous, on one device. Not yet: overlap with asynchronous scheduling and the mesh step.
+synchronous, on one device; in deterministic mode by sample matching (`accept_drafts(by_sample=
+True)`). Not yet: overlap with asynchronous scheduling and the mesh step.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ from deepinfer.model.rollback import Undo, roll_back
 from deepinfer.model.step import StepBatch, verify_body
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine.acceptance import DRAFT_STREAM, accept, stream_keys
-from deepinfer.serve.engine.sampler import (SampleOutput, SampleRows, Sampler, apply_bitmask, blocked_argmax, draw,
-                                            process_logits, slot_settings, truncate, with_logprobs)
+from deepinfer.serve.engine.sampler import (SampleOutput, SampleRows, Sampler, apply_bitmask, blocked_argmax, choose,
+                                            draw, process_logits, slot_settings, truncate, with_logprobs)
 from deepinfer.serve.engine.sampling_state import SamplingState
 
 __all__ = ["DraftInputs", "DraftProposal", "SpecDecodeCounts", "SpeculativeConfig", "VerifiedLogits", "VerifyOutput",
@@ -267,14 +268,22 @@ def verify_target(params: dict, cache: KVCache, batch: StepBatch, drafts_in: Dra
 
 def accept_drafts(cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows, drafts_in: DraftInputs,
                   proposal: DraftProposal, verified: VerifiedLogits, masks: jax.Array | None = None, *,
-                  head: Sampler = Sampler()) -> tuple[KVCache, SamplingState, VerifyOutput]:
+                  head: Sampler = Sampler(), by_sample: bool = False) -> tuple[KVCache, SamplingState, VerifyOutput]:
     """Step 2's distributions and step 3 of the module docstring over `verify_target`'s logits.
     `masks i32[B, K+1, ceil(V / 32)]` (None: no row constrained): each verify position's
     structured-output bitmask (position j: the grammar after the anchor and drafts 1..j), applied
     to the target's logits before anything else, so a draft the grammar forbids has p = 0 and is
     rejected, and the correction or bonus token is drawn under its position's mask. Returns the
     rolled-back cache, the sampling state (every gained token counted, `last_token` the newest)
-    and the `VerifyOutput`."""
+    and the `VerifyOutput`.
+
+    `by_sample` (deterministic mode): instead of the min(1, p/q) rule, each verify position's
+    token is the one the plain sampler draws there (`sampler.choose`: the same processed
+    logits, truncation and (seed, position) noise) and a draft is accepted iff it is that
+    token. Still lossless (the row gains exactly the target's own samples) and, with the
+    batch-invariant verify step, the same bits as decoding without speculation; a sampled
+    draft is accepted less often than by the ratio rule (P(draft = sample) <= min(1, p/q)
+    summed over tokens)."""
     B, T = batch.tokens.shape
     slots, num, drafts = batch.slots, drafts_in.num_drafts, proposal.drafts
     settings = slot_settings(state, slots)
@@ -304,11 +313,15 @@ def accept_drafts(cache: KVCache, state: SamplingState, batch: StepBatch, rows: 
         scaled = x / jnp.repeat(temperature, T)[:, None]
         return jax.nn.log_softmax(truncate(scaled, flat, flat_live & jnp.repeat(random, T)), axis=-1)
 
-    target = jax.lax.cond(any_sampled, scaled_logp, lambda x: x, processed).reshape(B, T, V)
     decides = anchor_pos[:, None] + 1 + jnp.arange(T)[None, :]  # the position each entry decides
-    # rows without drafts count as greedy here: their token is the plain sampler's
-    accepted, next_token = accept(target, proposal.q, drafts, jnp.where(drafting, num, 0), ~(random & drafting),
-                                  settings["seed"], decides)
+    if by_sample:
+        accepted, next_token = _accept_matching(choose(processed, flat, flat_live, decides.reshape(-1)).reshape(B, T),
+                                                drafts, jnp.where(drafting, num, 0))
+    else:
+        target = jax.lax.cond(any_sampled, scaled_logp, lambda x: x, processed).reshape(B, T, V)
+        # rows without drafts count as greedy here: their token is the plain sampler's
+        accepted, next_token = accept(target, proposal.q, drafts, jnp.where(drafting, num, 0),
+                                      ~(random & drafting), settings["seed"], decides)
 
     idx = jnp.arange(T)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -332,3 +345,14 @@ def accept_drafts(cache: KVCache, state: SamplingState, batch: StepBatch, rows: 
     out = VerifyOutput(gained, first, count, jnp.where(drafting, accepted, 0).astype(jnp.int32), drafts,
                        proposal.confidence, per_position)
     return cache, state, out
+
+
+def _accept_matching(chosen: jax.Array, drafts: jax.Array, num_drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(accepted [B], next_token [B])` when each verify position's token is `chosen [B, K+1]`
+    (the target's own sample there): the drafts are accepted up to the first that differs from
+    it, and the next token is the target's at that position (after the last draft: the bonus)."""
+    K = drafts.shape[1]
+    live = jnp.arange(K)[None, :] < num_drafts[:, None]
+    same = (drafts == chosen[:, :K]) & live
+    accepted = jnp.sum(jnp.cumprod(same.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    return accepted, jnp.take_along_axis(chosen, accepted[:, None], axis=1)[:, 0]

@@ -3,7 +3,9 @@
 inside batches of other sizes and compositions, in shuffled arrival orders, and with its prompt cut
 into prefill chunks of 128 or 512 tokens; greedy, seeded sampling, and sampling without a seed
 (whose seed then comes from the prompt, not from the arrival). The same runs with the mode off
-must give more than one output somewhere: the test can fail.
+must give more than one output somewhere: the test can fail. Prefix-cache hits (exact replay) give
+the cold runs' bits, and DSpark (fixed-k with oracle drafts, confidence-scheduled) gives plain
+decoding's.
 
 Fake-quant on and the packed FP8/FP4 cache (the engine's defaults), so the smallest rounding
 difference moves later logits visibly."""
@@ -17,8 +19,10 @@ from deepinfer.model import init_params, load_config
 from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
 from deepinfer.serve.engine.types import SamplingParams
 from deepinfer.serve.engine.speculative import SpeculativeConfig
+from tests.serve.oracle_drafts import OracleDrafts
 
 BUDGET = CacheBudget(num_slots=8, max_model_len=1024, page_size=256)
 MAX_TOKENS = 6
@@ -106,8 +110,98 @@ def test_outputs_do_not_depend_on_the_batch_or_the_chunking(model):
     assert max(off.values()) > 1, off  # the runs differ enough to catch a variant step
 
 
+def test_prefix_cache_hits_give_the_bits_of_cold_runs(model):
+    """SGLang's "prefix" mode: prompts sharing prefixes of different lengths give the same bits
+    when they hit the prefix cache (exact replay: the hit's pages, then the window halo
+    recomputed from another chunk boundary) as cold, all in one batch without a cache."""
+    config, params, tokenizer = model
+    shared = np.random.default_rng(5).integers(100, 100_000, 1500).tolist()
+    tail = [np.random.default_rng(6 + i).integers(100, 100_000, n).tolist() for i, n in enumerate((40, 30, 100))]
+    prompts = {"whole": shared + tail[0], "part": shared[:1100] + tail[1], "longer": shared + tail[2]}
+    params_of = {"whole": TARGETS["greedy"], "part": TARGETS["seeded"], "longer": TARGETS["unseeded"]}
+
+    def run(engine, names):
+        for name in names:
+            engine.add_request(name, prompts[name], params_of[name])
+        out = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    c = o.outputs[0]
+                    out[o.request_id] = (tuple(c.token_ids), tuple(next(iter(d.values())).logprob for d in c.logprobs),
+                                         o.num_cached_tokens)
+        return out
+
+    # (exact replay recomputes a 636-token window halo: hits of 1,024 and 1,280 tokens save some)
+    options = dict(budget=CacheBudget(num_slots=4, max_model_len=2048, page_size=256), deterministic=True)
+    cold = run(LLMEngine(params, config, tokenizer, EngineConfig(**options)), list(prompts))
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(prefix_cache=PrefixCacheConfig(replay="exact"), **options))
+    warm = run(engine, ["whole"])
+    warm.update(run(engine, ["part", "longer"]))
+    assert [warm[n][2] for n in prompts] == [0, 1024, 1280], warm  # the later two hit the first's pages
+    assert {n: v[:2] for n, v in warm.items()} == {n: v[:2] for n, v in cold.items()}
+
+
+SPEC_TOKENS = 12
+SPEC_K = 3
+
+
+def _spec_requests():
+    """Greedy, seeded-sampled and penalised requests (the verify positions' penalties count the
+    drafts before them), with logprobs, beside short others."""
+    target, others = _prompts()
+    common = dict(max_tokens=SPEC_TOKENS, ignore_eos=True, logprobs=1)
+    return [("greedy", others[2], SamplingParams(temperature=0.0, **common)),
+            ("seeded", others[0], SamplingParams(temperature=1.0, top_p=0.9, seed=7, **common)),
+            ("unseeded", others[2], SamplingParams(temperature=0.8, top_k=50, **common)),
+            ("penalized", others[2], SamplingParams(temperature=0.0, frequency_penalty=2.0,
+                                                    logit_bias={1000: 20.0, 2000: 20.0}, **common)),
+            ("other", others[1], SamplingParams(temperature=0.7, seed=1, max_tokens=4, ignore_eos=True))]
+
+
+def _spec_run(model, speculative, inject=None, **options) -> tuple[LLMEngine, dict]:
+    """(engine, {request: (token ids, logprobs)}) of one deterministic run of `_spec_requests`."""
+    config, params, tokenizer = model
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, deterministic=True, speculative=speculative,
+                                                               drafter_context=True, **options))
+    for rid, prompt, sp in _spec_requests():
+        engine.add_request(rid, prompt, sp)
+    out = {}
+    while engine.has_unfinished():
+        if inject is not None:
+            inject(engine)
+        for o in engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                out[o.request_id] = (tuple(c.token_ids), tuple(next(iter(d.values())).logprob for d in c.logprobs or ()))
+    return engine, out
+
+
+def test_speculative_decoding_gives_the_bits_of_plain_decoding(model):
+    """DSpark in deterministic mode: a draft is accepted iff it is the token the plain sampler
+    draws at its position, on the batch-invariant verify step, so every request (greedy, sampled
+    with and without a seed, penalised) gains plain decoding's tokens and logprobs bit for bit.
+    Fixed-k with oracle drafts (the plain run's continuation with one wrong token at a random
+    place, or none: the random drafter of these weights accepts nothing), which exercises every
+    verify position, and confidence-scheduled widths with the drafter's own drafts."""
+    _, plain = _spec_run(model, None)
+    oracle = OracleDrafts({rid: list(tokens) for rid, (tokens, _) in plain.items()}, SPEC_K)
+    engine, fixed = _spec_run(model, SpeculativeConfig(num_speculative_tokens=SPEC_K), oracle)
+    assert fixed == plain
+    right = oracle.right({rid: list(tokens) for rid, (tokens, _) in plain.items()})
+    assert engine.spec_counts.num_accepted_tokens == right
+    assert right >= 2 * SPEC_TOKENS, right  # most verify positions of most steps were accepted drafts
+
+    scheduled = SpeculativeConfig(num_speculative_tokens=SPEC_K, enable_adaptive_verification=True)
+    # a verify step costs a decode step at every width here: the widths follow the confidences
+    engine, adaptive = _spec_run(model, scheduled, verify_step_seconds=(1.0,) * (SPEC_K + 1))
+    assert adaptive == plain
+    assert engine.spec_counts.num_drafts > 0
+
+
 def test_deterministic_mode_refuses_what_it_cannot_keep_invariant(model):
     config, params, tokenizer = model
-    with pytest.raises(ValueError, match="deterministic: not available with speculative decoding"):
-        LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, deterministic=True,
-                                                          speculative=SpeculativeConfig()))
+    with pytest.raises(ValueError, match="deterministic: speculative decoding needs budget.num_slots >= 2"):
+        LLMEngine(params, config, tokenizer, EngineConfig(budget=CacheBudget(num_slots=1, max_model_len=1024,
+                                                                             page_size=256),
+                                                          deterministic=True, speculative=SpeculativeConfig()))

@@ -21,6 +21,7 @@ from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
 from deepinfer.serve.engine.speculative import SpeculativeConfig
 from tests.serve.test_sampler import EOS, ref_process
 from tests.continuation import continuation_logits
+from tests.serve.oracle_drafts import OracleDrafts
 
 PROMPTS = (9, 300, 700)
 MAX_TOKENS = 20
@@ -207,31 +208,13 @@ def test_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(model, plai
     """Host drafts (`Request.host_drafts`) replaced by the reference continuation with one wrong
     token at a random place (or none): every verify step accepts exactly the right prefix and
     the output and its logprobs are unchanged. Greedy requests only: their acceptance is exact."""
-    rng = np.random.default_rng(0)
-    injected = []  # (request, output length, drafts offered)
-
-    def inject(engine):
-        for rid, request in engine.requests.items():
-            ref = plain[REFERENCE.get(rid, rid)].token_ids
-            n = len(request.output_ids)
-            if not request.output_ids or n >= len(ref):
-                continue
-            drafts = list(ref[n:n + K])
-            wrong = rng.integers(0, K + 2)  # K, K+1: all right
-            if wrong < len(drafts):
-                drafts[wrong] = (drafts[wrong] + 1) % 1000
-            request.host_drafts = drafts
-            injected.append((rid, n, drafts[:MAX_TOKENS - n - 1]))
-
     # requests whose acceptance is exact (a sampled request's is random)
     exact = [r for r in _requests() if r[2].temperature == 0 or r[0] in REFERENCE]
-    engine, outputs = _run(model, SpeculativeConfig(num_speculative_tokens=K), inject, exact)
+    oracle = OracleDrafts({rid: list(plain[REFERENCE.get(rid, rid)].token_ids) for rid, _, _ in exact}, K)
+    engine, outputs = _run(model, SpeculativeConfig(num_speculative_tokens=K), oracle, exact)
     for rid, _, sp in exact:
         _check(model, plain, rid, outputs[rid].token_ids)
-    expected = 0
-    for rid, n, drafts in injected:
-        got = outputs[rid].token_ids[n:n + len(drafts)]
-        expected += next((j for j, (d, t) in enumerate(zip(drafts, got)) if d != t), len(drafts))
+    expected = oracle.right({rid: list(c.token_ids) for rid, c in outputs.items()})
     assert engine.spec_counts.num_accepted_tokens == expected
     # most tokens came from accepted drafts: far fewer steps than tokens
     assert expected >= len(exact) * MAX_TOKENS // 3, expected
