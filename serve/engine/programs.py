@@ -53,12 +53,14 @@ class StepPrograms:
         self.forward = jit(partial(step_body, **bound), static_argnames=("all_logits", "decoder"),
                            donate_argnums=(1,))
         self.logits = jit(partial(step_logits, **bound), donate_argnums=(1,))
-        self.propose = jit(partial(propose_drafts, **bound))
+        invariant = kernels is not None and kernels.batch_invariant
+        self.propose = jit(partial(propose_drafts, **bound, coupled=invariant))
         self.target = jit(partial(verify_target, **bound), donate_argnums=(1,))
-        if kernels is not None and kernels.batch_invariant:
+        if invariant:
             # the samplers invariant too (their exp, log and short sums: `ops.batch_invariant`),
             # and a draft accepted iff it is the token the plain sampler draws at its position:
-            # a verify step then gains a decode step's bits (`accept_drafts(by_sample=True)`)
+            # a verify step then gains a decode step's bits (`accept_drafts(by_sample=True)`;
+            # the drafts drawn with the same noise: `propose_drafts(coupled=True)`)
             self.sample_logits = jit(batch_invariant(sample_logits), static_argnames=("head",), donate_argnums=(1,))
             self.accept = jit(batch_invariant(partial(accept_drafts, by_sample=True)), static_argnames=("head",),
                               donate_argnums=(0, 1))

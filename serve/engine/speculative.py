@@ -64,7 +64,8 @@ from deepinfer.model.step import StepBatch, verify_body
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine.acceptance import DRAFT_STREAM, accept, stream_keys
 from deepinfer.serve.engine.sampler import (SampleOutput, SampleRows, Sampler, apply_bitmask, blocked_argmax, choose,
-                                            draw, process_logits, slot_settings, truncate, with_logprobs)
+                                            draw, process_logits, row_keys, slot_settings, truncate,
+                                            with_logprobs)
 from deepinfer.serve.engine.sampling_state import SamplingState
 
 __all__ = ["DraftInputs", "DraftProposal", "SpecDecodeCounts", "SpeculativeConfig", "VerifiedLogits", "VerifyOutput",
@@ -201,10 +202,15 @@ class DraftProposal:
 
 def propose_drafts(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
                    drafts_in: DraftInputs, *, config: ModelConfig, layout: CacheLayout,
-                   kernels: KernelConfig | None = None) -> DraftProposal:
+                   kernels: KernelConfig | None = None, coupled: bool = False) -> DraftProposal:
     """Step 1 of the module docstring: each row's drafts after its anchor (the cache is only
     read). Returns the `DraftProposal` (read by the host where structured output masks the
-    verify positions from the drafts: `accept_drafts`)."""
+    verify positions from the drafts: `accept_drafts`).
+
+    `coupled` (with `accept_drafts(by_sample=True)`): a sampled draft is drawn with the plain
+    sampler's own noise for its position, so that it is the target's sample whenever the two
+    distributions put the same token first under that noise (a draft is accepted iff it equals
+    the target's sample; independent noise would match only by chance)."""
     K = batch.tokens.shape[1] - 1
     settings = slot_settings(state, batch.slots)
     random = settings["temperature"] > 0
@@ -219,7 +225,9 @@ def propose_drafts(params: dict, cache: KVCache, state: SamplingState, batch: St
 
         def sampled(x):
             scaled = truncate(x / temperature[:, None], settings, live)
-            keys = stream_keys(settings["seed"], (anchor_pos + 1 + j)[:, None], DRAFT_STREAM)[:, 0]
+            position = anchor_pos + 1 + j
+            keys = (row_keys(settings["seed"], position) if coupled
+                    else stream_keys(settings["seed"], position[:, None], DRAFT_STREAM)[:, 0])
             return draw(scaled, keys).astype(jnp.int32), scaled
 
         drawn, scaled = jax.lax.cond(jnp.any(live), sampled, lambda x: (greedy, x), logits)
@@ -281,9 +289,11 @@ def accept_drafts(cache: KVCache, state: SamplingState, batch: StepBatch, rows: 
     token is the one the plain sampler draws there (`sampler.choose`: the same processed
     logits, truncation and (seed, position) noise) and a draft is accepted iff it is that
     token. Still lossless (the row gains exactly the target's own samples) and, with the
-    batch-invariant verify step, the same bits as decoding without speculation; a sampled
-    draft is accepted less often than by the ratio rule (P(draft = sample) <= min(1, p/q)
-    summed over tokens)."""
+    batch-invariant verify step, the same bits as decoding without speculation. A sampled draft
+    drawn with independent noise would be accepted with probability sum_x q(x) p(x), below the
+    ratio rule's sum_x min(p(x), q(x)); drawn with the sampler's own noise
+    (`propose_drafts(coupled=True)`), it is accepted whenever q and p pick the same token under
+    that noise."""
     B, T = batch.tokens.shape
     slots, num, drafts = batch.slots, drafts_in.num_drafts, proposal.drafts
     settings = slot_settings(state, slots)
