@@ -115,9 +115,9 @@ def test_prefix_cache_hits_give_the_bits_of_cold_runs(model):
     when they hit the prefix cache (exact replay: the hit's pages, then the window halo
     recomputed from another chunk boundary) as cold, all in one batch without a cache."""
     config, params, tokenizer = model
-    shared = np.random.default_rng(5).integers(100, 100_000, 1500).tolist()
-    tail = [np.random.default_rng(6 + i).integers(100, 100_000, n).tolist() for i, n in enumerate((40, 30, 100))]
-    prompts = {"whole": shared + tail[0], "part": shared[:1100] + tail[1], "longer": shared + tail[2]}
+    shared = np.random.default_rng(5).integers(100, 100_000, 1000).tolist()
+    tail = [np.random.default_rng(6 + i).integers(100, 100_000, n).tolist() for i, n in enumerate((10, 30, 8))]
+    prompts = {"whole": shared + tail[0], "part": shared[:800] + tail[1], "longer": shared + tail[2]}
     params_of = {"whole": TARGETS["greedy"], "part": TARGETS["seeded"], "longer": TARGETS["unseeded"]}
 
     def run(engine, names):
@@ -132,13 +132,15 @@ def test_prefix_cache_hits_give_the_bits_of_cold_runs(model):
                                          o.num_cached_tokens)
         return out
 
-    # (exact replay recomputes a 636-token window halo: hits of 1,024 and 1,280 tokens save some)
-    options = dict(budget=CacheBudget(num_slots=4, max_model_len=2048, page_size=256), deterministic=True)
+    # of the shared 800 and 1,000 tokens, the 768 of whole pages are cached and exact replay
+    # recomputes the 636-token window halo before them from another chunk boundary (the layout
+    # of the speculative test's engines, whose programs it shares)
+    options = dict(budget=BUDGET, deterministic=True, drafter_context=True)
     cold = run(LLMEngine(params, config, tokenizer, EngineConfig(**options)), list(prompts))
     engine = LLMEngine(params, config, tokenizer, EngineConfig(prefix_cache=PrefixCacheConfig(replay="exact"), **options))
     warm = run(engine, ["whole"])
     warm.update(run(engine, ["part", "longer"]))
-    assert [warm[n][2] for n in prompts] == [0, 1024, 1280], warm  # the later two hit the first's pages
+    assert [warm[n][2] for n in prompts] == [0, 768, 768], warm  # the later two hit the first's pages
     assert {n: v[:2] for n, v in warm.items()} == {n: v[:2] for n, v in cold.items()}
 
 
