@@ -209,7 +209,8 @@ def _sum_in_order(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 
 def _eval(jaxpr: Jaxpr, consts, *args, tile: TileShape):
     """Evaluate `jaxpr` on `args` (tracers of the enclosing `jit`), binding every equation as
-    it is except the products, short scans and nested calls (module docstring)."""
+    it is except the products, the transcendental functions, short float sums, short scans and
+    nested calls (module docstring)."""
     env: dict = {}
 
     def read(v):

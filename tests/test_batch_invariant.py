@@ -70,6 +70,24 @@ def test_scans_and_nested_calls_are_evaluated_exactly():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_short_float_sums_add_in_index_order_and_long_ones_stay_reductions():
+    """Sums of at most 32 elements are the additions x_0 + x_1 + ... in index order (over any
+    axes), checked against that order in numpy; longer sums and integer sums are XLA's own."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((5, 3, 4, 6)).astype(np.float32) * 1e3
+    got = np.asarray(jax.jit(batch_invariant(lambda a: jnp.sum(a, axis=(1, 3))))(x))
+    flat = np.transpose(x, (0, 2, 1, 3)).reshape(5, 4, 18)
+    want = flat[..., 0]
+    for i in range(1, 18):
+        want = (want + flat[..., i]).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+    long = rng.standard_normal((4, 100)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(batch_invariant(lambda a: jnp.sum(a, -1)))(long)), long.sum(-1),
+                               rtol=1e-5)
+    ints = jnp.asarray(rng.integers(0, 9, (3, 4)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(batch_invariant(lambda a: jnp.sum(a, 0))(ints)), np.asarray(ints).sum(0))
+
+
 def test_window_by_offset_holds_the_keys_the_window_mask_admits():
     W, T = 8, 5
     rng = np.random.default_rng(3)
