@@ -306,9 +306,9 @@ def _invariant(kernels: KernelConfig | None, seq, ep) -> bool:
     for now."""
     if kernels is None or not kernels.batch_invariant:
         return False
-    if seq is not None or ep is not None:
-        raise NotImplementedError("KernelConfig(batch_invariant=True) runs on one device (no context or expert "
-                                  "parallel mesh) in this version")
+    if seq is not None:
+        raise NotImplementedError("KernelConfig(batch_invariant=True) does not run context-parallel prefill "
+                                  "in this version")
     return True
 
 

@@ -7,7 +7,9 @@ attention never leaves its rank. Ranks along `cp` and `tp` hold the same rows (t
 replicated there) except in prefill: with `cp` > 1 a prefill chunk's queries are split over the
 `cp` ranks by the zigzag scheme (rank r holds blocks r and 2*cp-1-r, equal causal work; a chunk
 whose length is no multiple of 2*cp is padded with position -1 tokens first), the
-window keys, ring writes and compressor run on the gathered chunk (`model.step._Chunk`). The MoE
+window keys, ring writes and compressor run on the gathered chunk (`model.step._Chunk`); not with
+`kernels.batch_invariant` (deterministic mode), whose step, and sampler, run in fixed tiles
+(`ops.batch_invariant`) on whole rows. The MoE
 spreads every rank's tokens over all devices, which hold `experts / devices` experts each,
 through `ExpertParallel`. The logits are gathered over `dp` so
 every process (multi-host included) sees all rows, and the expert counts are summed over `dp`.
@@ -31,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.kv_cache import CacheLayout, KVCache, init_cache, padded_slot_ids, reset_slots
 from deepinfer.model.step import StepBatch, step_body
+from deepinfer.ops.batch_invariant import batch_invariant, compiler_options
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.sharding.context_parallel import zigzag_slots
 from deepinfer.sharding.cp_forward import ZigzagShards
@@ -152,7 +155,9 @@ class MeshStep:
         and `head_rows` (host arrays `[B, ...]`, rows grouped like `batch`'s); returns `(cache,
         head_state, outputs gathered over dp, counts)`."""
         T = batch.tokens.shape[1]
-        split = self.cp > 1 and T > 1
+        # the batch-invariant step has no context-parallel path (`model.step._invariant`): its
+        # prefill chunks run whole on every cp replica, as decode steps do
+        split = self.cp > 1 and T > 1 and not (self.kernels is not None and self.kernels.batch_invariant)
         if head is not None and (all_logits or not decoder):
             raise ValueError("a step head needs the decoder's last-token logits")
         key = (all_logits, decoder, split, head, jax.tree.map(np.shape, batch))
@@ -191,6 +196,9 @@ class MeshStep:
                head_state=None, head_rows=None):
         config, layout, kernels = self.config, self.layout, self.kernels
         ep, seq = (self.ep_cp, ZigzagShards(self.cp)) if split else (self.ep, None)
+        invariant = kernels is not None and kernels.batch_invariant  # the model step is (`step_body`)
+        run_head = batch_invariant(head) if invariant and head is not None else head
+        options = (compiler_options(self.mesh.devices.flat[0].platform) or None) if invariant else None
 
         def body(params, cache, batch, *extra):
             if head is not None:  # placeholder tokens from the rank's own slots' last samples
@@ -202,7 +210,7 @@ class MeshStep:
             counts = jax.lax.psum(counts, ("dp", "cp") if split else "dp")
             if head is not None:  # every (cp, tp) replica of a rank runs it alike: same rows, same state
                 state, rows = extra
-                state, out = head(logits, state, batch.slots, rows)
+                state, out = run_head(logits, state, batch.slots, rows)
                 out = jax.tree.map(lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), out)
                 return cache, state, out, counts
             if logits is None:
@@ -220,7 +228,7 @@ class MeshStep:
             out_specs = (cache_specs(cache), state_specs, P(), P())
             donate = (1, 3)
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-        return jax.jit(mapped, donate_argnums=donate)
+        return jax.jit(mapped, donate_argnums=donate, compiler_options=options)
 
 
 @partial(jax.jit, donate_argnums=(0,))

@@ -230,7 +230,7 @@ class LLM:
             step late; the extra token is dropped). False: one step at a time.
         deterministic: batch-invariant inference: a request's tokens and logprobs are the same bits
             whatever else runs with it, however its prompt is chunked, and with or without
-            speculative decoding (one device; see `EngineConfig.deterministic`).
+            speculative decoding (that on one device; see `EngineConfig.deterministic`).
         enable_prefix_caching, prefix_replay: share full prompt pages between requests by their
             tokens (`deepinfer.serve.engine.prefix_cache`); a hit rebuilds the sequence's window
             state by replaying the hit's last 128 tokens ("bounded", V4.1's encoder-side bounded

@@ -122,7 +122,9 @@ class EngineConfig:
     # (`KernelConfig.batch_invariant`), and a request without a seed samples with one derived
     # from its prompt (not from its arrival). With speculative decoding, a draft is accepted iff
     # it is the token the plain sampler draws there (`accept_drafts(by_sample=True)`): the same
-    # bits as without. One device.
+    # bits as without. On a mesh too (dp ranks, experts over every device); there prefill chunks
+    # are not split over cp (each cp replica computes whole rows) and speculative decoding is
+    # not available (one device).
     deterministic: bool = False
     # share full prompt pages between requests by their tokens and rebuild the per-sequence
     # state of a hit by replay (`prefix_cache.py`); None: every prompt is computed from its start
@@ -154,8 +156,6 @@ class LLMEngine:
             raise ValueError(f"keep_tokens ({engine_config.keep_tokens}) must cover the sliding window "
                              f"({config.sliding_window})")
         if engine_config.deterministic:
-            if mesh is not None:
-                raise ValueError("deterministic: batch-invariant inference runs on one device for now (no mesh)")
             if engine_config.speculative is not None and engine_config.budget.num_slots < 2:
                 # measured: a step of one row of one token (XLA CPU) is up to 3e-6 off the same
                 # token in any wider step, and a verify step is always wider

@@ -65,6 +65,20 @@ TARGETS = {  # the requests whose outputs are compared, all on the 700-token pro
 }
 
 
+def run_requests(engine: LLMEngine, requests: list, order: list[int], names) -> dict:
+    """Add `requests` ((id, prompt, params)) to `engine` in `order` (indices), run them to their
+    end and return the (token ids, logprobs) of those whose id is in `names`."""
+    for i in order:
+        engine.add_request(*requests[i])
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished and o.request_id in names:
+                c = o.outputs[0]
+                out[o.request_id] = (tuple(c.token_ids), tuple(next(iter(d.values())).logprob for d in c.logprobs))
+    return out
+
+
 def _run(model, others: list, order: list[int], deterministic: bool, chunk: int = 512) -> dict:
     """The targets' (token ids, logprobs) after one engine run of the targets and `others`,
     added in `order` (indices into targets + others)."""
@@ -75,15 +89,7 @@ def _run(model, others: list, order: list[int], deterministic: bool, chunk: int 
     requests = [(name, target, sp) for name, sp in TARGETS.items()]
     requests += [(f"other-{i}", p, SamplingParams(temperature=0.7, seed=i, max_tokens=4, ignore_eos=True))
                  for i, p in enumerate(others)]
-    for i in order:
-        engine.add_request(*requests[i])
-    out = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished and o.request_id in TARGETS:
-                c = o.outputs[0]
-                out[o.request_id] = (tuple(c.token_ids), tuple(next(iter(d.values())).logprob for d in c.logprobs))
-    return out
+    return run_requests(engine, requests, order, TARGETS)
 
 
 def _runs(model, deterministic: bool, chunking: bool = True) -> list[dict]:
