@@ -27,7 +27,9 @@ The rest of a row's arithmetic is computed from that row alone, but not always i
   depends on the array's other dimensions: sums of up to `_SHORT_SUM` elements are written out
   as additions in index order.
 With these, a token's logits are the same bits in a prefill chunk, a decode step of two or more
-rows and a verify step (tested); a step of one row and one token still differs (cause not found).
+rows and a verify step (tested). A step of one row and one token is not: XLA simplifies its
+all-1 dimensions away and compiles another program (reductions to scalars among others); the
+model step gives such a step a padding row (`model.step`), after which it agrees too.
 
 This is the CPU and reference path of `EngineConfig(deterministic=True)`; what the model adds
 itself (one order of the attention keys, cached and new keys read alike) is in

@@ -147,17 +147,46 @@ def test_invariant_step_logits_do_not_depend_on_chunking_or_rows(tiny):
 
 
 def test_decode_and_verify_steps_give_the_prefill_chunk_bits(tiny):
-    """A token's logits are the same bits whether a prefill chunk, a decode step (2 or 8 rows) or
-    a verify-shaped step (4 rows of 6 tokens, the last one partly filled) computes it: what
-    DSpark in deterministic mode rests on. Before `ops.invariant_math`, the short sums in order
-    and the tokens-first products, positions 296-304 differed by up to 7e-6. (A step of one
-    row and one token still differs: the engine never runs one with speculative decoding on.)"""
+    """A token's logits are the same bits whether a prefill chunk, a decode step (1, 2 or 8
+    rows) or a verify-shaped step (4 rows of 6 tokens, the last one partly filled) computes it:
+    what DSpark in deterministic mode rests on. Before `ops.invariant_math`, the short sums in
+    order and the tokens-first products, positions 296-304 differed by up to 7e-6; a step of one
+    row and one token by up to 4.5e-6 until it got a padding row (`model.step`)."""
     config, params = tiny
     kernels = KernelConfig(batch_invariant=True)
     prefill = _logits(config, params, [128, 128, 49], kernels)
-    for rows, tokens in ((2, 1), (8, 1), (4, 6)):
+    for rows, tokens in ((1, 1), (2, 1), (8, 1), (4, 6)):
         got = _logits(config, params, [128, 128, 40], kernels, decode_rows=rows, step_tokens=tokens)
         np.testing.assert_array_equal(got, prefill, err_msg=f"{rows} rows x {tokens} tokens")
+
+
+def test_a_single_token_step_writes_only_its_own_slot(tiny):
+    """The padding row of a one-row, one-token invariant step points past the rank's slots: every
+    write of it is dropped, so the other slots' rings, positions and compressor state and the
+    other sequences' pages stay as they were (the last slot, where a clamped write would land,
+    included)."""
+    config, params = tiny
+    layout = CacheLayout(num_slots=3, page_size=64, num_pages=24, max_pages_per_slot=8, storage=PACKED)
+    runner = ModelRunner(params, config, layout, kernels=KernelConfig(batch_invariant=True))
+    table = np.full((3, 8), -1, np.int32)
+    table[:, :3] = ((0, 1, 3), (5, 17, 2), (7, 9, 11))
+    ids = np.random.default_rng(12).integers(3, 128000, 130)
+    for slot in range(3):  # 129 tokens each: the ratio-2 compressors hold one back
+        for start, n in ((0, 128), (128, 1)):
+            runner.run([ChunkWork(slot, ids[start:start + n], start, ids[:start], 0)], table, rows=1,
+                       tokens=token_bucket(n), all_logits=True)
+    before = jax.tree.map(np.asarray, runner.cache)
+    runner.run([ChunkWork(1, ids[129:130], 129, ids[:129], 0)], table, rows=1, tokens=1)
+    after = jax.tree.map(np.asarray, runner.cache)
+    for old, new in zip(before.window, after.window):  # [rings, slots, ...]
+        np.testing.assert_array_equal(np.delete(new, 1, axis=1), np.delete(old, 1, axis=1))
+        assert (new[:, 1] != old[:, 1]).any()
+    for old, new in ((before.window_pos, after.window_pos), *zip(before.pending, after.pending)):  # [slots, ...]
+        np.testing.assert_array_equal(np.delete(new, 1, axis=0), np.delete(old, 1, axis=0))
+    others = [p for p in range(layout.num_pages) if p not in table[1]]
+    for old, new in zip(jax.tree.leaves((before.entries, before.index_keys)),
+                        jax.tree.leaves((after.entries, after.index_keys))):  # [pages, ...]
+        np.testing.assert_array_equal(new[others], old[others])
 
 
 def test_no_product_of_the_invariant_step_has_columns_that_follow_the_batch(tiny, monkeypatch):

@@ -205,11 +205,3 @@ def test_speculative_decoding_gives_the_bits_of_plain_decoding(model):
     engine, adaptive = _spec_run(model, scheduled, verify_step_seconds=(1.0,) * (SPEC_K + 1))
     assert adaptive == plain
     assert engine.spec_counts.num_drafts > 0
-
-
-def test_deterministic_mode_refuses_what_it_cannot_keep_invariant(model):
-    config, params, tokenizer = model
-    with pytest.raises(ValueError, match="deterministic: speculative decoding needs budget.num_slots >= 2"):
-        LLMEngine(params, config, tokenizer, EngineConfig(budget=CacheBudget(num_slots=1, max_model_len=1024,
-                                                                             page_size=256),
-                                                          deterministic=True, speculative=SpeculativeConfig()))
