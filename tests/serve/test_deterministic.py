@@ -116,6 +116,35 @@ def test_outputs_do_not_depend_on_the_batch_or_the_chunking(model):
     assert max(off.values()) > 1, off  # the runs differ enough to catch a variant step
 
 
+def test_one_prompt_fifty_times_among_others_gives_one_output(model):
+    """SGLang's "single" mode: one seeded, top-p request with logprobs sent 50 times into one
+    engine among other prompts (5 to 120 tokens), a few new requests after each step, so its
+    copies are prefilled with 0 to 3 others and decode beside ever other neighbours: one
+    unique output."""
+    config, params, tokenizer = model
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(100, 100_000, 100).tolist()
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=4, ignore_eos=True, logprobs=1)
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, deterministic=True))
+    queue = [("copy", prompt, sp)] * 50 + [
+        ("other", rng.integers(100, 100_000, int(n)).tolist(),
+         SamplingParams(temperature=0.7, seed=int(n), max_tokens=int(m), ignore_eos=True))
+        for n, m in zip(rng.integers(5, 120, 25), rng.integers(1, 6, 25))]
+    order = rng.permutation(len(queue))
+    outputs, added = [], 0
+    while added < len(order) or engine.has_unfinished():
+        for _ in range(min(int(rng.integers(0, 4)), len(order) - added)):
+            name, ids, sampling = queue[order[added]]
+            engine.add_request(f"{name}-{added}", ids, sampling)
+            added += 1
+        for o in engine.step():
+            if o.finished and o.request_id.startswith("copy"):
+                c = o.outputs[0]
+                outputs.append((tuple(c.token_ids), tuple(next(iter(d.values())).logprob for d in c.logprobs)))
+    assert len(outputs) == 50
+    assert len(set(outputs)) == 1, len(set(outputs))
+
+
 def test_prefix_cache_hits_give_the_bits_of_cold_runs(model):
     """SGLang's "prefix" mode: prompts sharing prefixes of different lengths give the same bits
     when they hit the prefix cache (exact replay: the hit's pages, then the window halo
