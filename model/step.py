@@ -287,13 +287,14 @@ def step_body(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelCo
     step (see `_invariant`)."""
     step = partial(_step, config=config, layout=layout, all_logits=all_logits, decoder=decoder, kernels=kernels,
                    ep=ep, seq=seq)
-    if _invariant(kernels, seq, ep):
-        if batch.tokens.shape == (1, 1):  # one token: computed as one of two rows (`_with_padding_row`)
-            batch = _with_padding_row(batch, layout)
-            cache, logits, counts = batch_invariant(partial(step, read_all=True))(params, cache, batch)
-            return cache, None if logits is None else logits[:1], counts
-        return batch_invariant(partial(step, read_all=True))(params, cache, batch)
-    return step(params, cache, batch, read_all=read_all)
+    if not _invariant(kernels, seq, ep):
+        return step(params, cache, batch, read_all=read_all)
+    run = batch_invariant(partial(step, read_all=True))
+    if batch.tokens.shape != (1, 1):
+        return run(params, cache, batch)
+    # one token: computed as one of two rows (`_with_padding_row`)
+    cache, logits, counts = run(params, cache, _with_padding_row(batch, layout))
+    return cache, None if logits is None else logits[:1], counts
 
 
 def _with_padding_row(batch: StepBatch, layout: CacheLayout) -> StepBatch:
@@ -318,8 +319,9 @@ def _step(params: dict, cache: KVCache, batch: StepBatch, *, config: ModelConfig
 def _invariant(kernels: KernelConfig | None, seq, ep) -> bool:
     """Whether to run the batch-invariant step: products in fixed tiles (`ops.batch_invariant`),
     every page read (`read_all`: shapes fixed by the engine's page count, not by the step's
-    selections) and the attention keys per query (`model.invariant_attention`). One device only
-    for now."""
+    selections) and the attention keys per query (`model.invariant_attention`). On one device
+    or one rank of a mesh (the expert exchange included); not under context-parallel prefill,
+    which the mesh step does not split in this mode."""
     if kernels is None or not kernels.batch_invariant:
         return False
     if seq is not None:

@@ -108,6 +108,7 @@ class MeshStep:
         if layout.dp != mesh.shape["dp"]:
             raise ValueError(f"cache layout dp={layout.dp} differs from the mesh's dp={mesh.shape['dp']}")
         self.mesh, self.config, self.layout, self.kernels = mesh, config, layout, kernels
+        self.invariant = kernels is not None and kernels.batch_invariant  # deterministic mode
         on_cpu = mesh.devices.flat[0].platform == "cpu"  # the mesh's accelerator, not JAX's default one
         method = ep_method or ("all_to_all" if on_cpu else "ragged_all_to_all")
         self.ep = ExpertParallel(axes=EP_AXES, method=method, replicated_axes=("cp", "tp"))
@@ -157,7 +158,7 @@ class MeshStep:
         T = batch.tokens.shape[1]
         # the batch-invariant step has no context-parallel path (`model.step._invariant`): its
         # prefill chunks run whole on every cp replica, as decode steps do
-        split = self.cp > 1 and T > 1 and not (self.kernels is not None and self.kernels.batch_invariant)
+        split = self.cp > 1 and T > 1 and not self.invariant
         if head is not None and (all_logits or not decoder):
             raise ValueError("a step head needs the decoder's last-token logits")
         key = (all_logits, decoder, split, head, jax.tree.map(np.shape, batch))
@@ -196,9 +197,9 @@ class MeshStep:
                head_state=None, head_rows=None):
         config, layout, kernels = self.config, self.layout, self.kernels
         ep, seq = (self.ep_cp, ZigzagShards(self.cp)) if split else (self.ep, None)
-        invariant = kernels is not None and kernels.batch_invariant  # the model step is (`step_body`)
-        run_head = batch_invariant(head) if invariant and head is not None else head
-        options = (compiler_options(self.mesh.devices.flat[0].platform) or None) if invariant else None
+        # in deterministic mode the model step is batch-invariant (`step_body`); the head too
+        run_head = batch_invariant(head) if self.invariant and head is not None else head
+        options = (compiler_options(self.mesh.devices.flat[0].platform) or None) if self.invariant else None
 
         def body(params, cache, batch, *extra):
             if head is not None:  # placeholder tokens from the rank's own slots' last samples
