@@ -139,9 +139,6 @@ def _transformed(closed: ClosedJaxpr, tile: TileShape) -> ClosedJaxpr:
     return jax.make_jaxpr(partial(_eval, closed.jaxpr, closed.consts, tile=tile))(*_avals(closed.jaxpr.invars))
 
 
-# Scans of at most this many steps run unrolled (`_unrolled_scan`).
-_UNROLL_SCANS = 64
-
 # Call-like primitives whose body is simply evaluated in place (inlined), by parameter name.
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
@@ -160,30 +157,6 @@ def _rewrite_params(params: dict, tile: TileShape) -> dict:
             raise NotImplementedError(f"batch_invariant: open jaxpr parameter {key!r} is not supported")
         out[key] = value
     return out
-
-
-def _unrolled_scan(invals: list, *, jaxpr: ClosedJaxpr, length: int, reverse: bool, tile: TileShape,
-                   **params) -> list:
-    """A short `scan` (a `fori_loop` with static bounds: mHC's Sinkhorn iterations) as straight
-    code: XLA CPU compiles the body of a loop whose state is small differently from the same
-    body on a larger state (measured: 19 Sinkhorn passes over 4x4 mixes of 1-4 tokens differ from
-    those of 8 or more), and straight code does not."""
-    if "ft_in" in params:  # jax 0.12: a flat tree of (consts, carry, xs)
-        num_consts, num_carry = (len(list(part.vals)) for part in params["ft_in"].unpack()[:2])
-    else:
-        num_consts, num_carry = params["num_consts"], params["num_carry"]
-    consts, carry, xs = invals[:num_consts], invals[num_consts:num_consts + num_carry], invals[num_consts + num_carry:]
-    ys = []
-    for i in (reversed(range(length)) if reverse else range(length)):
-        out = _eval(jaxpr.jaxpr, jaxpr.consts, *consts, *carry, *(x[i] for x in xs), tile=tile)
-        carry, y = out[:num_carry], out[num_carry:]
-        ys.append(y)
-    if reverse:
-        ys.reverse()
-    stacked = [jnp.stack(col) for col in zip(*ys)] if ys and ys[0] else []
-    if not stacked and len(jaxpr.jaxpr.outvars) > num_carry:  # zero-length scan with outputs
-        stacked = [jnp.zeros((0, *v.aval.shape), v.aval.dtype) for v in jaxpr.jaxpr.outvars[num_carry:]]
-    return [*carry, *stacked]
 
 
 # Float sums over at most this many elements are written out as additions in index order.
@@ -211,8 +184,8 @@ def _sum_in_order(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
 
 def _eval(jaxpr: Jaxpr, consts, *args, tile: TileShape):
     """Evaluate `jaxpr` on `args` (tracers of the enclosing `jit`), binding every equation as
-    it is except the products, the transcendental functions, short float sums, short scans and
-    nested calls (module docstring)."""
+    it is except the products, the transcendental functions, short float sums and nested calls
+    (module docstring); loops and conditionals keep their form, their bodies transformed."""
     env: dict = {}
 
     def read(v):
@@ -231,8 +204,6 @@ def _eval(jaxpr: Jaxpr, consts, *args, tile: TileShape):
             outs = INVARIANT_PRIMITIVES[name](*invals)
         elif name == "reduce_sum" and _short_float_sum(invals[0], eqn.params["axes"]):
             outs = _sum_in_order(invals[0], eqn.params["axes"])
-        elif name == "scan" and eqn.params["length"] <= _UNROLL_SCANS:
-            outs = _unrolled_scan(invals, tile=tile, **eqn.params)
         elif name in _INLINE and isinstance(eqn.params.get(_INLINE[name]), ClosedJaxpr):
             body = eqn.params[_INLINE[name]]
             outs = _eval(body.jaxpr, body.consts, *invals, tile=tile)

@@ -1,5 +1,6 @@
 """`ops.batch_invariant`: products in fixed tiles give a row the same bits whatever the batch, and
-the same values as the plain product; short scans unroll exactly; the invariant step's window
+the same values as the plain product; loops keep their form, their bodies transformed (mHC's
+Sinkhorn loop gives a token the same bits in any number of rows); the invariant step's window
 (`model.invariant_attention`) holds the engine step's window keys, and its logits do not depend on
 the chunking or the rows of the step."""
 
@@ -68,6 +69,30 @@ def test_scans_and_nested_calls_are_evaluated_exactly():
 
     for a, b in zip(jax.tree.leaves(f(jnp.ones(3), xs)), jax.tree.leaves(batch_invariant(f)(jnp.ones(3), xs))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the loops stay loops (an unrolled 20-pass Sinkhorn per mHC site made the invariant step
+    # program twice as slow to compile)
+    primitives = {e.primitive.name for e in jax.make_jaxpr(batch_invariant(f))(jnp.ones(3), xs).jaxpr.eqns}
+    assert "scan" in primitives
+
+
+def test_mhc_sinkhorn_loop_gives_a_token_the_same_bits_in_any_number_of_rows():
+    """The site's mixes (norm, projection, sigmoid gates, softmax, 19 Sinkhorn passes in a loop)
+    of the first tokens, computed among 1 to 64 tokens, in one or two leading dimensions."""
+    from deepinfer.pallas_kernels.reference.mhc import mhc_mixes
+
+    rng = np.random.default_rng(0)
+    hc, d = 4, 64
+    fn = jnp.asarray(rng.normal(size=(2 * hc + hc * hc, hc * d)).astype(np.float32) * 0.05)
+    base = jnp.asarray(rng.normal(size=(2 * hc + hc * hc,)).astype(np.float32))
+    scale = jnp.asarray([1.0, 0.7, 1.3], jnp.float32)
+    mixes = jax.jit(batch_invariant(lambda s: mhc_mixes(s, fn, base, scale, norm_eps=1e-6, hc_eps=1e-6,
+                                                        sinkhorn_iters=20)), compiler_options=XLA_CPU_OPTIONS)
+    streams = rng.normal(size=(64, hc, d)).astype(np.float32)
+    widest = [np.asarray(m).reshape(64, -1) for m in mixes(jnp.asarray(streams))]
+    for shape in [(1,), (1, 1), (2,), (3,), (4, 1), (5,), (8,), (2, 9)]:
+        n = int(np.prod(shape))
+        for got, want in zip(mixes(jnp.asarray(streams[:n].reshape(*shape, hc, d))), widest):
+            np.testing.assert_array_equal(np.asarray(got).reshape(n, -1), want[:n], err_msg=str(shape))
 
 
 def test_short_float_sums_add_in_index_order_and_long_ones_stay_reductions():
