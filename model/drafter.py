@@ -85,8 +85,9 @@ def block_tokens(config: ModelConfig, anchor: jax.Array, anchor_pos: jax.Array) 
 
 def draft_hidden(params: dict, config: ModelConfig, ctx_kv: list[jax.Array], ctx_pos: jax.Array, anchor: jax.Array,
                  anchor_pos: jax.Array, floor: jax.Array | None = None,
-                 kernels: KernelConfig | None = None) -> jax.Array:
+                 kernels: KernelConfig | None = None, ep=None) -> jax.Array:
     """The draft blocks over one block per row -> `head_hidden [B, N, D]` (before the norm).
+    `ep`: the MoE's expert-parallel exchange on a mesh (`model.moe.moe`).
 
     `ctx_kv[i]` `[B, S, hd]`: block i's context rows (fake-quantized values) at `ctx_pos [B, S]`
     (-1 = empty); a row is visible iff its position is in [p - W, p) and >= `floor` (the
@@ -108,7 +109,7 @@ def draft_hidden(params: dict, config: ModelConfig, ctx_kv: list[jax.Array], ctx
             streams = hc_expand(y, streams, a_post, a_comb)
             f_pre, f_post, f_comb = mixes(bp, "ffn", streams, config, kernels)
             x = rms_norm(hc_collapse(streams, a_pre), bp["ffn_norm"], config.rms_norm_eps)
-            y = moe(bp["ffn"], config, x, n_active=config.dspark_num_experts_per_tok, kernels=kernels)
+            y = moe(bp["ffn"], config, x, n_active=config.dspark_num_experts_per_tok, kernels=kernels, ep=ep)
             streams = hc_expand(y, streams, f_post, f_comb)
             pre = f_pre
     return hc_collapse(streams, pre)
@@ -172,16 +173,17 @@ def draft_after(params: dict, config: ModelConfig, token_ids, anchor, *, kernels
 
 def draft_block(params: dict, config: ModelConfig, layout: CacheLayout, cache: KVCache, slots: jax.Array,
                 anchor: jax.Array, anchor_pos: jax.Array, floor: jax.Array | None = None,
-                kernels: KernelConfig | None = None, pick: Callable = greedy_pick) -> dict:
+                kernels: KernelConfig | None = None, pick: Callable = greedy_pick, ep=None) -> dict:
     """Drafts for the sequences in cache `slots [B]` from their drafter rings: the target has
     processed positions < `anchor_pos [B]` and sampled `anchor [B]`. Returns `propose`'s dict
-    (drafted with `pick`); traced inside the caller's program."""
+    (drafted with `pick`); traced inside the caller's program (on a mesh: one rank's share, its
+    local slots, under the step's `shard_map` with `ep`)."""
     if not layout.draft_rings:
         raise ValueError("this cache keeps no drafter rings (CacheLayout.draft_rings == 0)")
     L = config.num_hidden_layers
     ctx = [decode("window", tuple(w[L + i, slots] for w in cache.window), compute_dtype(config))
            for i in range(layout.draft_rings)]
-    hidden = draft_hidden(params, config, ctx, cache.window_pos[slots], anchor, anchor_pos, floor, kernels)
+    hidden = draft_hidden(params, config, ctx, cache.window_pos[slots], anchor, anchor_pos, floor, kernels, ep)
     return propose(params, config, hidden, anchor, pick)
 
 

@@ -226,7 +226,7 @@ def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant inference: each request's tokens and logprobs are the same bits whatever "
                         "else is in the batch and however its prompt is chunked, with or without speculative "
-                        "decoding (slower; speculative decoding on one device only)")
+                        "decoding (slower)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="share full prompt pages between requests by their tokens; a hit replays the last 128 "
                         "tokens of the cached prefix to rebuild the window state (default: off)")

@@ -109,6 +109,8 @@ class MeshStep:
             raise ValueError(f"cache layout dp={layout.dp} differs from the mesh's dp={mesh.shape['dp']}")
         self.mesh, self.config, self.layout, self.kernels = mesh, config, layout, kernels
         self.invariant = kernels is not None and kernels.batch_invariant  # deterministic mode
+        # the XLA options of the step's programs (the batch-invariant ones': `compiler_options`)
+        self.options = (compiler_options(mesh.devices.flat[0].platform) or None) if self.invariant else None
         on_cpu = mesh.devices.flat[0].platform == "cpu"  # the mesh's accelerator, not JAX's default one
         method = ep_method or ("all_to_all" if on_cpu else "ragged_all_to_all")
         self.ep = ExpertParallel(axes=EP_AXES, method=method, replicated_axes=("cp", "tp"))
@@ -161,7 +163,8 @@ class MeshStep:
         split = self.cp > 1 and T > 1 and not self.invariant
         if head is not None and (all_logits or not decoder):
             raise ValueError("a step head needs the decoder's last-token logits")
-        key = (all_logits, decoder, split, head, jax.tree.map(np.shape, batch))
+        # (the head's rows: a step with structured-output masks and one without are two programs)
+        key = (all_logits, decoder, split, head, jax.tree.map(np.shape, batch), jax.tree.map(np.shape, head_rows))
         if split:
             batch = zigzag_rows(batch, self.cp)
         specs = batch_specs(batch, split)
@@ -182,15 +185,19 @@ class MeshStep:
         return cache, (logits if decoder else None), counts
 
     def _compile(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool, head=None, extra=()):
-        """Compile ahead of the first run; with many processes, wait for all of them before
-        it runs (a process still compiling would leave the others' first collective waiting
-        past the CPU collectives' 30 s rendezvous deadline)."""
         built = self._build(params, cache, batch, all_logits, decoder, split, head, *extra)
-        compiled = built.lower(params, cache, batch, *extra).compile()
+        return self.compile(built, (params, cache, batch, *extra),
+                            f"deepinfer step {all_logits} {decoder} {batch.tokens.shape}")
+
+    def compile(self, jitted, args: tuple, label: str):
+        """`jitted` compiled for `args` ahead of its first run; with many processes, wait for all
+        of them before it runs (a process still compiling would leave the others' first
+        collective waiting past the CPU collectives' 30 s rendezvous deadline)."""
+        compiled = jitted.lower(*args).compile()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"deepinfer step {all_logits} {decoder} {batch.tokens.shape}")
+            multihost_utils.sync_global_devices(label)
         return compiled
 
     def _build(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool, head=None,
@@ -199,7 +206,6 @@ class MeshStep:
         ep, seq = (self.ep_cp, ZigzagShards(self.cp)) if split else (self.ep, None)
         # in deterministic mode the model step is batch-invariant (`step_body`); the head too
         run_head = batch_invariant(head) if self.invariant and head is not None else head
-        options = (compiler_options(self.mesh.devices.flat[0].platform) or None) if self.invariant else None
 
         def body(params, cache, batch, *extra):
             if head is not None:  # placeholder tokens from the rank's own slots' last samples
@@ -229,7 +235,7 @@ class MeshStep:
             out_specs = (cache_specs(cache), state_specs, P(), P())
             donate = (1, 3)
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-        return jax.jit(mapped, donate_argnums=donate, compiler_options=options)
+        return jax.jit(mapped, donate_argnums=donate, compiler_options=self.options)
 
 
 @partial(jax.jit, donate_argnums=(0,))

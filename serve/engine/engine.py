@@ -122,9 +122,8 @@ class EngineConfig:
     # (`KernelConfig.batch_invariant`), and a request without a seed samples with one derived
     # from its prompt (not from its arrival). With speculative decoding, a draft is accepted iff
     # it is the token the plain sampler draws there (`accept_drafts(by_sample=True)`): the same
-    # bits as without. On a mesh too (dp ranks, experts over every device); there prefill chunks
-    # are not split over cp (each cp replica computes whole rows) and speculative decoding is
-    # not available (one device).
+    # bits as without. On a mesh too (dp ranks, experts over every device; DSpark included);
+    # there prefill chunks are not split over cp (each cp replica computes whole rows).
     deterministic: bool = False
     # share full prompt pages between requests by their tokens and rebuild the per-sequence
     # state of a hit by replay (`prefix_cache.py`); None: every prompt is computed from its start
@@ -166,8 +165,6 @@ class LLMEngine:
             if not has_drafter(params, config):
                 raise ValueError("speculative: method 'dspark' needs the checkpoint's DSpark drafter (mtp.* of a "
                                  "DeepSeek-V4.1 checkpoint); these params have none")
-            if mesh is not None:
-                raise ValueError("speculative: speculative decoding runs on one device for now (no mesh)")
             self.speculative.check(config)
         drafter = (engine_config.drafter_context or self.speculative is not None) and has_drafter(params, config)
         draft_rings = config.num_nextn_predict_layers if drafter else 0

@@ -232,14 +232,17 @@ class ModelRunner:
         # what EPLB layouts are built from (kept only when asked: a second copy of the experts)
         self._logical_ffn = [lp["ffn"] for lp in params["layers"]] if keep_logical_experts else None
         if mesh is not None:
+            from deepinfer.serve.engine.mesh_speculative import MeshVerifyPrograms
             from deepinfer.sharding.engine_step import MeshStep
 
             self.mesh_step = MeshStep(mesh, config, layout, kernels)
             self.params = self.mesh_step.place_params(params)
             self.cache = self.mesh_step.init_cache()
+            self._verify_programs = MeshVerifyPrograms(self.mesh_step)  # DSpark's verify step, shard-mapped
         else:
             self.params = params
             self._programs = step_programs(config, layout, kernels)  # held: they live while this runner does
+            self._verify_programs = self._programs
             with jax.default_device(_device_of(params)):  # the cache goes where the params are
                 self.cache = _placed_like_params(init_cache(config, layout), params)
         self.max_logit_bias, self.max_bans = max_logit_bias, max_bans
@@ -480,7 +483,7 @@ class ModelRunner:
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation("verify/propose"):
             proposal, verified, counts = self._propose_and_target(step)
-            drafts = np.asarray(proposal.drafts)[step.row_of]
+            drafts = self._on_host(proposal.drafts)[step.row_of]
         self._record(key, start)
         return ProposedDrafts(drafts, step, proposal, verified, counts)
 
@@ -495,7 +498,7 @@ class ModelRunner:
         key = step_key("verify/check+masks", step.rows, T, step.pages, False, True, step.head)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation("verify/check"):
-            out = self._accept(step, proposed.proposal, proposed.verified, jnp.asarray(full))
+            out = self._accept(step, proposed.proposal, proposed.verified, self._device_rows(full))
         self._record(key, start)
         return self._verified(out, proposed.counts, step.row_of)
 
@@ -503,7 +506,7 @@ class ModelRunner:
         """Dispatch the drafter's and the target's programs of a verify step (cache donated to
         the target's); returns the device's `DraftProposal`, `VerifiedLogits` and expert counts."""
         batch, rows, drafts_in = step.inputs
-        programs = self._programs
+        programs = self._verify_programs
         proposal = programs.propose(self.params, self.cache, self.sampling, batch, model_rows(rows), drafts_in)
         self.cache, verified, counts = programs.target(self.params, self.cache, batch, drafts_in, proposal)
         return proposal, verified, counts
@@ -512,8 +515,8 @@ class ModelRunner:
         """Dispatch a verify step's acceptance (cache and sampling state donated: the rollback,
         the gained tokens counted); returns the device's `VerifyOutput`."""
         batch, rows, drafts_in = step.inputs
-        self.cache, self.sampling, out = self._programs.accept(self.cache, self.sampling, batch, rows, drafts_in,
-                                                               proposal, verified, masks, head=step.head)
+        self.cache, self.sampling, out = self._verify_programs.accept(
+            self.cache, self.sampling, batch, rows, drafts_in, proposal, verified, masks, head=step.head)
         return out
 
     def _verified(self, out: VerifyOutput, counts, row_of: list[int]) -> VerifyOutput:
@@ -524,8 +527,6 @@ class ModelRunner:
     def _verify_inputs(self, work: list[ChunkWork], page_table: np.ndarray, num_drafts: list[int],
                        host_drafts: list[list[int] | None], tokens: int, sample: StepSampling) -> _VerifyInputs:
         """A verify step's device inputs (`verify`'s arguments)."""
-        if self.mesh_step is not None:
-            raise ValueError("speculative decoding runs on one device for now: build the engine without a mesh")
         if not self.layout.draft_rings:
             raise ValueError("speculative decoding needs the drafter rings (CacheLayout.draft_rings)")
         K = tokens - 1
@@ -547,8 +548,24 @@ class ModelRunner:
                 drafts_in.use_host[b] = True
         # the anchor's next position; a constrained row that verifies no drafts samples under its mask
         rows = SampleRows(emit, batch.positions[:, 0] + 1, allowed=sample.allowed_rows(row_of, B))
-        inputs = jax.tree.map(jnp.asarray, (batch, rows, drafts_in))
+        inputs = self._device_rows((batch, rows, drafts_in))
         return _VerifyInputs(inputs, row_of, B, n_pages, Sampler(sample.num_logprobs))
+
+    @staticmethod
+    def _on_host(a: jax.Array) -> np.ndarray:
+        """A device array's whole value in this process (on a multi-process mesh, every
+        process's shards gathered)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(a)
+
+    def _device_rows(self, tree):
+        """A verify step's host inputs on the device (on a mesh: global arrays, rows over dp)."""
+        if self.mesh_step is not None:
+            return self._verify_programs.place(tree)
+        return jax.tree.map(jnp.asarray, tree)
 
     def _draft_folds(self, work: list[ChunkWork], row_of: list[int], B: int, K: int) -> np.ndarray | None:
         """The host's part of the Engram folds of K drafts after each row's anchor

@@ -44,7 +44,8 @@ What is built: fixed-k and confidence-scheduled verification (the host chooses t
 width, or a plain decode step, from earlier steps' confidences: `verify_schedule.py`) of every
 request (greedy or sampled, with penalties, min_tokens bans and logprobs, constrained or not),
 synchronous, on one device; in deterministic mode by sample matching (`accept_drafts(by_sample=
-True)`). Not yet: overlap with asynchronous scheduling and the mesh step.
+True)`); on a device mesh each dp rank runs the three programs on its own rows
+(`mesh_speculative.py`). Not yet: overlap with asynchronous scheduling.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ class DraftProposal:
 
 def propose_drafts(params: dict, cache: KVCache, state: SamplingState, batch: StepBatch, rows: SampleRows,
                    drafts_in: DraftInputs, *, config: ModelConfig, layout: CacheLayout,
-                   kernels: KernelConfig | None = None, coupled: bool = False) -> DraftProposal:
+                   kernels: KernelConfig | None = None, coupled: bool = False, ep=None) -> DraftProposal:
     """Step 1 of the module docstring: each row's drafts after its anchor (the cache is only
     read). Returns the `DraftProposal` (read by the host where structured output masks the
     verify positions from the drafts: `accept_drafts`).
@@ -233,7 +234,7 @@ def propose_drafts(params: dict, cache: KVCache, state: SamplingState, batch: St
         drawn, scaled = jax.lax.cond(jnp.any(live), sampled, lambda x: (greedy, x), logits)
         return jnp.where(random, drawn, greedy), scaled
 
-    block = draft_block(params, config, layout, cache, batch.slots, anchor, anchor_pos, batch.floor, kernels, pick)
+    block = draft_block(params, config, layout, cache, batch.slots, anchor, anchor_pos, batch.floor, kernels, pick, ep)
     use_host = drafts_in.use_host[:, None]
     drafts = jnp.where(use_host, drafts_in.host_drafts, block["tokens"][:, :K])
 
@@ -257,8 +258,8 @@ class VerifiedLogits:
 
 
 def verify_target(params: dict, cache: KVCache, batch: StepBatch, drafts_in: DraftInputs, proposal: DraftProposal,
-                  *, config: ModelConfig, layout: CacheLayout,
-                  kernels: KernelConfig | None = None) -> tuple[KVCache, VerifiedLogits, jax.Array]:
+                  *, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None = None,
+                  ep=None) -> tuple[KVCache, VerifiedLogits, jax.Array]:
     """Step 2 of the module docstring, the model part: the target over [anchor, drafts] of each
     row (its drafts' Engram rows hashed on the device). Returns the cache with every verified
     token written, the `VerifiedLogits` and the routed-token counts (of every verified token)."""
@@ -270,7 +271,8 @@ def verify_target(params: dict, cache: KVCache, batch: StepBatch, drafts_in: Dra
         hash_ids = hash_ids.at[:, 1:].set(hash_drafts(config, drafts, drafts_in.folds))
     batch = dataclasses.replace(batch, tokens=batch.tokens.at[:, 1:].set(jnp.where(verified, drafts, 0)),
                                 hash_ids=hash_ids)
-    cache, logits, counts, undo = verify_body(params, cache, batch, config=config, layout=layout, kernels=kernels)
+    cache, logits, counts, undo = verify_body(params, cache, batch, config=config, layout=layout, kernels=kernels,
+                                              ep=ep)
     return cache, VerifiedLogits(logits, undo), counts
 
 

@@ -65,13 +65,16 @@ TARGETS = {  # the requests whose outputs are compared, all on the 700-token pro
 }
 
 
-def run_requests(engine: LLMEngine, requests: list, order: list[int], names) -> dict:
+def run_requests(engine: LLMEngine, requests: list, order: list[int], names, inject=None) -> dict:
     """Add `requests` ((id, prompt, params)) to `engine` in `order` (indices), run them to their
-    end and return the (token ids, logprobs) of those whose id is in `names`."""
+    end (calling `inject(engine)` before each step) and return the (token ids, logprobs) of
+    those whose id is in `names`."""
     for i in order:
         engine.add_request(*requests[i])
     out = {}
     while engine.has_unfinished():
+        if inject is not None:
+            inject(engine)
         for o in engine.step():
             if o.finished and o.request_id in names:
                 c = o.outputs[0]
