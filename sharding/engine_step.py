@@ -134,6 +134,11 @@ class MeshStep:
         """Host values (the same in every process) as global arrays replicated over the mesh."""
         return jax.tree.map(lambda a: to_global(a, self._replicated), tree)
 
+    def place_rows(self, tree):
+        """Host values whose leaves lead with a step's rows (grouped by rank) as global arrays
+        split over dp."""
+        return jax.tree.map(lambda a: to_global(a, NamedSharding(self.mesh, P("dp"))), tree)
+
     def per_slot_shardings(self, tree):
         """Shardings of a pytree whose leaves' leading dim is the (global, rank-major) slot: split
         over dp like the cache's slots."""
@@ -173,8 +178,7 @@ class MeshStep:
             self.queries_per_rank[T] = batch.tokens.addressable_shards[0].data.shape[1]
         extra = ()
         if head is not None:
-            rows = jax.tree.map(lambda a: to_global(a, NamedSharding(self.mesh, P("dp"))), head_rows)
-            extra = (head_state, rows)
+            extra = (head_state, self.place_rows(head_rows))
         if key not in self._steps:
             self._steps[key] = self._compile(params, cache, batch, all_logits, decoder, split, head, extra)
         if head is not None:

@@ -18,12 +18,12 @@ from functools import partial
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from deepinfer.model.rollback import RingSnapshot, Undo
 from deepinfer.ops.batch_invariant import batch_invariant
 from deepinfer.serve.engine.speculative import VerifiedLogits, accept_drafts, propose_drafts, verify_target
-from deepinfer.sharding.engine_step import MeshStep, batch_specs, cache_specs, params_specs, to_global
+from deepinfer.sharding.engine_step import MeshStep, batch_specs, cache_specs, params_specs
 
 __all__ = ["MeshVerifyPrograms"]
 
@@ -56,8 +56,7 @@ class MeshVerifyPrograms:
 
     def place(self, tree):
         """A verify step's host inputs (batch, sampler rows, draft inputs) as global arrays."""
-        mesh = self.step.mesh
-        return jax.tree.map(lambda a: to_global(np.asarray(a), NamedSharding(mesh, P("dp"))), tree)
+        return self.step.place_rows(tree)
 
     def _run(self, key: tuple, fn, args: tuple, in_specs: tuple, out_specs, donate: tuple):
         """`fn` over every rank's share of `args`, compiled on its first `key`; `out_specs`: the
@@ -78,7 +77,8 @@ class MeshVerifyPrograms:
 
     @staticmethod
     def _shapes(tree) -> tuple:
-        """A program's key: the structure (masks or none, ...) and shapes of its arguments."""
+        """A program's key: the structure (masks or none, ...) and shapes of the step's own
+        arguments (params, cache and sampling state are the runner's, fixed)."""
         return jax.tree.structure(tree), tuple((np.shape(a), str(a.dtype)) for a in jax.tree.leaves(tree))
 
     def propose(self, params, cache, state, batch, rows, drafts_in):
@@ -86,7 +86,7 @@ class MeshVerifyPrograms:
         args = (params, cache, state, batch, rows, drafts_in)
         specs = (params_specs(params), cache_specs(cache), _rows(state), batch_specs(batch, False), _rows(rows),
                  _rows(drafts_in))
-        return self._run(("propose", self._shapes(args)), fn, args, specs, _rows, ())
+        return self._run(("propose", self._shapes(args[3:])), fn, args, specs, _rows, ())
 
     def target(self, params, cache, batch, drafts_in, proposal):
         def fn(params, cache, batch, drafts_in, proposal):
@@ -100,7 +100,7 @@ class MeshVerifyPrograms:
         def out_specs(local):
             return cache_specs(cache), VerifiedLogits(P("dp"), _undo_specs(local[1].undo)), P()
 
-        return self._run(("target", self._shapes(args)), fn, args, specs, out_specs, (1,))
+        return self._run(("target", self._shapes(args[2:])), fn, args, specs, out_specs, (1,))
 
     def accept(self, cache, state, batch, rows, drafts_in, proposal, verified, masks, *, head):
         body = batch_invariant(partial(accept_drafts, by_sample=True)) if self.step.invariant else accept_drafts
@@ -113,5 +113,5 @@ class MeshVerifyPrograms:
         args = (cache, state, batch, rows, drafts_in, proposal, verified) + (() if masks is None else (masks,))
         specs = (cache_specs(cache), _rows(state), batch_specs(batch, False), _rows(rows), _rows(drafts_in),
                  _rows(proposal), VerifiedLogits(P("dp"), _undo_specs(verified.undo))) + _rows(args[7:])
-        return self._run(("accept", head, self._shapes(args)), fn, args, specs, (cache_specs(cache), _rows(state), P()),
-                         (0, 1))
+        out_specs = (cache_specs(cache), _rows(state), P())
+        return self._run(("accept", head, self._shapes(args[2:])), fn, args, specs, out_specs, (0, 1))
