@@ -2,15 +2,17 @@
 confidence-scheduled (varlen) verification, per concurrency.
 
     python benchmarks/spec_decode.py [--concurrency 1,4,16,32,64] [--input-len 256] [--output-len 64]
-                                     [-k 5] [--temperature T]
+                                     [-k 5] [--temperature T] [--runs no-spec,fixed,varlen,varlen-raw]
 
 Prompts are windows of the Python standard library's held-out modules (those the model was not
 trained on: `scripts/train_data.py`). Per concurrency c, each engine (c slots) runs c requests
-once untimed (compilation; the varlen engine also profiles its verify step per width at start)
-and then the same requests timed. Printed per run: output tok/s, per-user tok/s (output tokens /
-the request's own seconds from the batch start, averaged), tau (tokens a request gains per verify
-step: accepted drafts + 1), drafts verified per request and step, and the ratio to no speculation
-in the same run. The varlen engine prints its profiled step-cost curve.
+once untimed (compilation; the varlen engines also profile their verify step per width at
+start) and then the same requests timed. Printed per run: output tok/s, per-user tok/s (output
+tokens / the request's own seconds from the batch start, averaged), tau (tokens a request gains
+per verify step: accepted drafts + 1), drafts verified per request and step, and the ratio to the
+first run listed (no speculation by default) in the same run. The varlen engine prints its
+profiled step-cost curve. `varlen` reads the drafter's confidences calibrated by the checkpoint's
+STS temperatures (the embedded model's own), `varlen-raw` uncalibrated.
 """
 
 from __future__ import annotations
@@ -68,15 +70,24 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("-k", type=int, default=5, help="num_speculative_tokens (fixed, and varlen's most)")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--runs", default="no-spec,fixed,varlen",
+                        help="of no-spec, fixed, varlen (confidences calibrated by the checkpoint's STS "
+                             "temperatures) and varlen-raw (uncalibrated)")
     args = parser.parse_args()
     params = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None,
                             max_tokens=args.output_len, ignore_eos=True)
-    runs = {"no-spec": None,
-            f"fixed-{args.k}": {"method": "dspark", "num_speculative_tokens": args.k},
-            "varlen": {"method": "dspark", "num_speculative_tokens": args.k, "enable_adaptive_verification": True}}
+    adaptive = {"method": "dspark", "num_speculative_tokens": args.k, "enable_adaptive_verification": True}
+    known = {"no-spec": ("no-spec", None),
+             "fixed": (f"fixed-{args.k}", {"method": "dspark", "num_speculative_tokens": args.k}),
+             "varlen": ("varlen", adaptive),
+             "varlen-raw": ("varlen-raw", {**adaptive, "confidence_temperatures": [1.0] * args.k})}
+    unknown = [r for r in args.runs.split(",") if r not in known]
+    if unknown:
+        parser.error(f"--runs: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    runs = dict(known[r] for r in args.runs.split(","))
     print(f"tiny-v4.1-trained on {jax.devices()[0].platform}: input {args.input_len}, output {args.output_len} "
           f"tokens, temperature {args.temperature}, k = {args.k}")
-    print(f"{'conc':>4} {'run':>8} {'out tok/s':>10} {'user tok/s':>10} {'tau':>5} {'drafts/step':>11} "
+    print(f"{'conc':>4} {'run':>10} {'out tok/s':>10} {'user tok/s':>10} {'tau':>5} {'drafts/step':>11} "
           f"{'vs no-spec':>10}")
     prompts_all = None
     for c in [int(x) for x in args.concurrency.split(",")]:
@@ -100,7 +111,7 @@ def main() -> None:
             if llm.engine.verify_schedule is not None and c == 1:
                 print("     varlen step seconds by width:",
                       " ".join(f"{s * 1e3:.1f}ms" for s in llm.engine.verify_schedule.step_seconds))
-            print(f"{c:>4} {name:>8} {tok_s:>10.1f} {user:>10.2f} {tau:>5} {drafts:>11} {tok_s / base:>9.2f}x",
+            print(f"{c:>4} {name:>10} {tok_s:>10.1f} {user:>10.2f} {tau:>5} {drafts:>11} {tok_s / base:>9.2f}x",
                   flush=True)
             del llm
 

@@ -400,12 +400,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise CliError("empty prompt: pass some text")
     if args.chat is None and args.thinking:
         raise CliError("--thinking applies to --chat only")
+    if args.logprobs is not None and not args.json:
+        raise CliError("--logprobs is printed with --json only: pass --json")
     from deepinfer.serve.api.types import SamplingParams
 
     constraint = _structured_outputs(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed, structured_outputs=constraint)
+                                top_k=args.top_k, seed=args.seed, structured_outputs=constraint,
+                                logprobs=args.logprobs)
     except ValueError as e:
         raise CliError(f"--{str(e).replace('_', '-')}") from None
     t0 = time.perf_counter()
@@ -424,9 +427,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         for output in outputs:
             completion = output.outputs[0]
-            print(json.dumps({"prompt": output.prompt, "prompt_token_ids": list(output.prompt_token_ids or ()),
-                              "text": completion.text, "token_ids": list(completion.token_ids),
-                              "finish_reason": completion.finish_reason}))
+            record = {"prompt": output.prompt, "prompt_token_ids": list(output.prompt_token_ids or ()),
+                      "text": completion.text, "token_ids": list(completion.token_ids),
+                      "finish_reason": completion.finish_reason}
+            if completion.logprobs is not None:  # per token: {token id: [logprob, rank]}, the sampled one and the top N
+                record["logprobs"] = [{str(t): [lp.logprob, lp.rank] for t, lp in position.items()}
+                                      for position in completion.logprobs]
+            print(json.dumps(record))
         return 0
 
     print(f"model   : {_describe_model(llm)}")
@@ -603,6 +610,9 @@ def build_parser(env: EnvDefaults | None = None) -> argparse.ArgumentParser:
     p_gen.add_argument("--thinking", action="store_true", help="--chat in thinking mode (default off)")
     p_gen.add_argument("--json", action="store_true",
                        help="print one JSON object per output (prompt, text, token ids, finish reason) instead")
+    p_gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                       help="with --json, each generated token's log-probability and the N most likely tokens' "
+                            "(vLLM's logprobs; default: none)")
     shape = p_gen.add_argument_group("structured output (at most one)")
     shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid under this JSON Schema file")
     shape.add_argument("--regex", metavar="RE", help="the output matches this regular expression")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,18 @@ def initialize(config: DistributedConfig) -> bool:
 def is_primary() -> bool:
     """Process 0 prints progress and results; the others stay quiet."""
     return jax.process_index() == 0
+
+
+def process_zero_value(values) -> np.ndarray:
+    """Process 0's `values` (a numeric array) in every process; `values` itself in a lone process.
+
+    Every process must take the same host decisions, or they dispatch different programs and the
+    collectives inside them never meet. A decision that rests on something a process measures
+    itself (wall time: the verify step costs of confidence-scheduled verification) takes process
+    0's measurement instead. Call it at the same point in every process (it is a collective)."""
+    values = np.asarray(values)
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(values))

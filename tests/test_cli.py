@@ -316,6 +316,8 @@ def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monke
          ["--json-schema", "/no/such/schema.json"]),
         (["generate", "--prompt", "x", "--choice", ""], {}, ["--choice"]),
         (["generate", "--prompt", "x", "--jump-forward"], {}, ["--jump-forward", "needs a structured-output"]),
+        (["generate", "--prompt", "x", "--logprobs", "2"], {}, ["--logprobs", "--json"]),
+        (["generate", "--prompt", "x", "--json", "--logprobs", "-1"], {}, ["--logprobs", "non-negative"]),
         (["generate", "--prompt", "x", "--regex", "[0-9", *SMALL_ENGINE], {}, ["structured_outputs.regex", "[0-9"]),
     ],
 )

@@ -4,7 +4,8 @@ there like any other checkpoint.
 
 * `"tiny-v4.1-trained"` (the default): the tiny-v4.1 architecture trained on the Python standard
   library, rebuilt from the compact pack in `model/weights/` (its SHA-256 checked) into
-  `~/.cache/deepinfer/tiny-v4.1-trained-<sha12>`;
+  `~/.cache/deepinfer/tiny-v4.1-trained-<sha12>`, with its drafter's confidence calibration
+  (`serve/engine/verify_schedule.py` `CALIBRATION_FILE`);
 * `RANDOM_MODELS` with random weights (`init_params` seed 0, float32), into
   `~/.cache/deepinfer/<preset>-seed0`: `"tiny-v4.1"`, what tests compare against `init_params`, and
   `"tiny-v4.1-short"`, one layer of each of its roles (5 layers, compiles in about half the time).
@@ -93,9 +94,30 @@ def ensure_trained_checkpoint(cache_dir: str | os.PathLike | None = None) -> tup
     if cache_dir is None:
         cache_dir = _embedded_dir(f"{TRAINED_MODEL}-{info['sha256'][:12]}")
     config = config_from_dict(info["config"], name=TRAINED_MODEL)
-    return _materialize(cache_dir, lambda tmp: write_checkpoint_from_pack(info["path"], config, info["seed"], tmp,
-                                                                          info["sha256"]),
-                        f"trained {TRAINED_MODEL}")
+    directory, written = _materialize(
+        cache_dir, lambda tmp: write_checkpoint_from_pack(info["path"], config, info["seed"], tmp, info["sha256"]),
+        f"trained {TRAINED_MODEL}")
+    _write_calibration(directory, info["sts"])
+    return directory, written
+
+
+def _write_calibration(directory: str, sts: dict) -> None:
+    """The pack's STS temperatures as the checkpoint's DSpark calibration (`verify_schedule`),
+    written atomically beside it unless there (a checkpoint written before the file existed
+    gains it here)."""
+    from deepinfer.serve.engine.verify_schedule import CALIBRATION_FILE
+
+    path = os.path.join(directory, CALIBRATION_FILE)
+    if os.path.isfile(path):
+        return
+    record = {"confidence_temperatures": sts["temperatures"],
+              "source": f"Sequential Temperature Scaling on {sts['blocks']} held-out blocks "
+                        "(scripts/train_drafter.py --phase sts)",
+              "ece_before": sts["ece_before"], "ece_after": sts["ece_after"]}
+    fd, tmp = tempfile.mkstemp(prefix=f".{CALIBRATION_FILE}.", dir=directory)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
 
 
 def ensure_random_checkpoint(cache_dir: str | os.PathLike | None = None,

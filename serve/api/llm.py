@@ -68,6 +68,7 @@ from deepinfer.serve.engine.engine import PREFILL_MODES, EngineConfig, LLMEngine
 from deepinfer.serve.engine.scheduler import check_token_budget
 from deepinfer.serve.engine.shape_plan import planned_shapes
 from deepinfer.serve.engine.speculative import SpeculativeConfig
+from deepinfer.serve.engine.verify_schedule import load_calibration
 from deepinfer.serve.engine.warmup import StepShape, WarmupReport, pending_shapes, warm_up
 from deepinfer.serve.text.chat import (
     ChatEncodingError,
@@ -268,9 +269,11 @@ class LLM:
             False: shapes compile when a step first needs them.
         speculative_config: DSpark speculative decoding with the checkpoint's drafter, vLLM's
             form: `{"method": "dspark", "num_speculative_tokens": 5}` (or a
-            `SpeculativeConfig`). Greedy requests without logit processing verify that many
-            drafts per step; the others decode one token per step. The engine then reads each
-            step before planning the next (no asynchronous scheduling). None: off.
+            `SpeculativeConfig`): every decoding request verifies that many drafts per step;
+            `"enable_adaptive_verification": true` chooses how many from the drafter's
+            confidences, calibrated by `"confidence_temperatures"` or else by the checkpoint's
+            own (`dspark_calibration.json`, which the embedded trained model has). The engine
+            then reads each step before planning the next (no asynchronous scheduling). None: off.
 
     Unknown keyword arguments raise `ValueError` naming the argument.
     """
@@ -352,6 +355,15 @@ class LLM:
         check_token_budget(max_num_batched_tokens, max_num_seqs // (1 if self.mesh is None else self.mesh.shape["dp"]))
         directory, self.model_name = resolve_model(model, cache_dir)
         self.model_dir = directory
+        if speculative is not None and speculative.confidence_temperatures is None:
+            # the checkpoint's own STS calibration of its drafter's confidences, if it has one
+            temperatures = load_calibration(directory)
+            if temperatures is not None and len(temperatures) < speculative.num_speculative_tokens:
+                log.warning("%s calibrates %d draft positions, fewer than num_speculative_tokens (%d): the "
+                            "confidences stay uncalibrated", directory, len(temperatures),
+                            speculative.num_speculative_tokens)
+            elif temperatures is not None:
+                speculative = dataclasses.replace(speculative, confidence_temperatures=temperatures)
         try:
             probe = load_config(directory)
         except (ValueError, OSError) as e:

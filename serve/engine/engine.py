@@ -70,6 +70,7 @@ from deepinfer.serve.engine.speculative import SpecDecodeCounts, SpeculativeConf
 from deepinfer.serve.engine.verify_schedule import VerifySchedule
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
+from deepinfer.sharding.distributed import process_zero_value
 
 log = logging.getLogger("deepinfer.engine")
 PREFILL_MODES = ("full", "compact")
@@ -224,9 +225,12 @@ class LLMEngine:
                 raise ValueError(f"verify_step_seconds: a plain decode step's cost, then one per width 1 .. "
                                  f"{self.speculative.num_speculative_tokens} "
                                  f"({self.speculative.num_speculative_tokens + 1} values), got {len(seconds)}")
+            # one curve for every process of a multi-process mesh (each measured its own): the
+            # widths they choose must be the same, or their steps' collectives never meet
+            seconds = process_zero_value(np.asarray(seconds, np.float64)).tolist()
             log.info("step seconds: plain decode %.4f, verify by drafts per row %s", seconds[0],
                      ", ".join(f"{w}: {s:.4f}" for w, s in enumerate(seconds) if w))
-            self.verify_schedule = VerifySchedule(seconds)
+            self.verify_schedule = VerifySchedule(seconds, temperatures=self.speculative.confidence_temperatures)
 
     def verify_widths(self) -> list[int]:
         """The drafts per row a verify step of this engine can check (its compiled widths)."""

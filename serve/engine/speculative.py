@@ -73,7 +73,7 @@ __all__ = ["DraftInputs", "DraftProposal", "SpecDecodeCounts", "SpeculativeConfi
            "accept_drafts", "propose_drafts", "verify_target"]
 
 METHODS = ("dspark",)
-KEYS = ("method", "num_speculative_tokens", "enable_adaptive_verification")
+KEYS = ("method", "num_speculative_tokens", "enable_adaptive_verification", "confidence_temperatures")
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,16 @@ class SpeculativeConfig:
     most the drafter's block) and `enable_adaptive_verification` (DSpark's confidence-scheduled
     verification: each step verifies the number of drafts, at most `num_speculative_tokens`,
     that maximises the expected tokens per second, or decodes plainly where none pays,
-    `verify_schedule.py`)."""
+    `verify_schedule.py`). `confidence_temperatures`: the drafter's Sequential Temperature
+    Scaling (engine-features.md §2.2), one temperature per draft position, at least
+    `num_speculative_tokens` of them, that calibrate the confidences the scheduler reads; None:
+    the checkpoint's own (`verify_schedule.CALIBRATION_FILE`, written with the embedded trained
+    model) where `LLM` finds them, else the raw confidences. Only adaptive verification reads them."""
 
     method: str = "dspark"
     num_speculative_tokens: int = 5
     enable_adaptive_verification: bool = False
+    confidence_temperatures: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -97,6 +102,17 @@ class SpeculativeConfig:
         if not isinstance(self.enable_adaptive_verification, bool):
             raise ValueError(f"enable_adaptive_verification must be true or false, "
                              f"got {self.enable_adaptive_verification!r}")
+        if self.confidence_temperatures is not None:
+            temperatures = self.confidence_temperatures
+            if (isinstance(temperatures, (str, bytes)) or not hasattr(temperatures, "__len__")
+                    or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf")
+                               for t in temperatures)):
+                raise ValueError(f"confidence_temperatures must be a list of positive numbers (one per draft "
+                                 f"position), got {temperatures!r}")
+            if len(temperatures) < self.num_speculative_tokens:
+                raise ValueError(f"confidence_temperatures: one per draft position verified, at least "
+                                 f"num_speculative_tokens ({self.num_speculative_tokens}), got {len(temperatures)}")
+            object.__setattr__(self, "confidence_temperatures", tuple(float(t) for t in temperatures))
 
     @classmethod
     def from_value(cls, value, name: str = "speculative_config") -> SpeculativeConfig | None:
@@ -119,6 +135,9 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > config.dspark_block_size:
             raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) exceeds the DSpark drafter's "
                              f"block of {config.dspark_block_size} tokens")
+        if self.confidence_temperatures is not None and len(self.confidence_temperatures) > config.dspark_block_size:
+            raise ValueError(f"confidence_temperatures: {len(self.confidence_temperatures)} given, one per position "
+                             f"of the DSpark drafter's block of {config.dspark_block_size} at most")
 
 
 @dataclass

@@ -21,15 +21,29 @@ curve that is a step function. A verify step pads every row to one width (all sl
 anchor and W drafts: `runner.verify`), so its cost is a function of W, profiled at engine start
 with a plain decode step's, the cost of W = 0 (`warmup.time_decode_steps`), and every
 speculating row checks min(W, its lookahead) drafts: checking fewer would cost the same.
+
+The confidence head is trained toward the analytic acceptance rate but is over- or
+under-confident in practice; the paper calibrates it with Sequential Temperature Scaling
+(engine-features.md §2.2: position k's confidence becomes sigmoid(logit(c_k) / T_k), T fitted
+left to right on held-out data so that the survival products are calibrated), and the scheduler's
+expected tokens are only as good as those products. `VerifySchedule(temperatures=)` applies the
+temperatures to every confidence it observes; a checkpoint carries its own in
+`CALIBRATION_FILE` (`load_calibration`; the embedded trained model's come from its STS phase,
+`scripts/train_drafter.py`).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["VerifySchedule", "schedule"]
+__all__ = ["CALIBRATION_FILE", "VerifySchedule", "calibrate", "load_calibration", "schedule"]
+
+# a checkpoint directory's DSpark confidence calibration: {"confidence_temperatures": [T_1, ...]}
+CALIBRATION_FILE = "dspark_calibration.json"
 
 
 def schedule(confidences: Sequence[np.ndarray], seconds: Callable[[np.ndarray], float], *,
@@ -56,6 +70,35 @@ def schedule(confidences: Sequence[np.ndarray], seconds: Callable[[np.ndarray], 
     return chosen
 
 
+def calibrate(confidence: np.ndarray, temperatures: Sequence[float] | None) -> np.ndarray:
+    """Sequential Temperature Scaling applied (module docstring): confidence k (a sigmoid
+    output) becomes sigmoid(logit(c_k) / T_k); None: unchanged. Float64, and 0 and 1 stay."""
+    c = np.asarray(confidence, np.float64)
+    if temperatures is None:
+        return c
+    t = np.asarray(temperatures, np.float64)[:c.shape[-1]]
+    with np.errstate(divide="ignore"):
+        logit = np.log(c) - np.log1p(-c)
+    return 1.0 / (1.0 + np.exp(-logit / t))
+
+
+def load_calibration(directory: str | os.PathLike) -> tuple[float, ...] | None:
+    """The confidence temperatures a checkpoint directory carries (`CALIBRATION_FILE`), or None
+    when it has none; a file that is there but unreadable is a ValueError naming it."""
+    path = os.path.join(directory, CALIBRATION_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            temperatures = json.load(f)["confidence_temperatures"]
+        values = tuple(float(t) for t in temperatures)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a DSpark calibration ({{\"confidence_temperatures\": [...]}}): {e}") from None
+    if not values or not all(0 < t < float("inf") for t in values):
+        raise ValueError(f"{path}: confidence_temperatures must be positive numbers, got {list(values)}")
+    return values
+
+
 class VerifySchedule:
     """The verify width of each step from stale confidences and the measured step costs.
 
@@ -69,15 +112,22 @@ class VerifySchedule:
     A plain step drafts nothing, so the confidences would never change again: after
     `probe_every` plain steps in a row in which some request could speculate, the next one
     verifies the best width of at least one draft (a probe), which bounds what probing costs to
-    one verify step in `probe_every + 1`."""
+    one verify step in `probe_every + 1`.
 
-    def __init__(self, step_seconds: Sequence[float], *, alpha: float = 0.8, probe_every: int = 8):
+    `temperatures`: the drafter's STS temperatures per draft position (`calibrate`), applied to
+    every confidence observed; None: the raw confidences."""
+
+    def __init__(self, step_seconds: Sequence[float], *, alpha: float = 0.8, probe_every: int = 8,
+                 temperatures: Sequence[float] | None = None):
         self.step_seconds = np.asarray(step_seconds, np.float64)
         if self.step_seconds.ndim != 1 or len(self.step_seconds) < 2 or not np.all(self.step_seconds > 0):
             raise ValueError(f"step_seconds: a positive cost for a plain decode step, then one per width 1..k, "
                              f"got {step_seconds!r}")
         self.alpha = alpha
         self.probe_every = probe_every
+        self.temperatures = None if temperatures is None else tuple(temperatures)
+        if self.temperatures is not None and len(self.temperatures) < self.max_width:
+            raise ValueError(f"temperatures: one per draft position up to {self.max_width}, got {self.temperatures}")
         self.plain_steps = 0  # plain decode steps in a row in which some request could speculate
         # before any step: certain acceptance, so the first steps verify as much as pays
         self.prior = np.ones(len(self.step_seconds) - 1)
@@ -90,14 +140,15 @@ class VerifySchedule:
         """A request's average after a step that gave `confidence` (per draft position; the
         drafter scores its whole block whatever was verified); `previous` None: its first (then
         the engine-wide average stands in for its history)."""
-        confidence = np.asarray(confidence, np.float64)[:self.max_width]
+        confidence = calibrate(np.asarray(confidence)[:self.max_width], self.temperatures)
         return self.alpha * confidence + (1 - self.alpha) * (self.prior if previous is None else previous)
 
     def observe_step(self, confidences: Sequence[np.ndarray]) -> None:
         """Fold a verify step's confidences (its speculating requests') into the engine-wide
         average, the stand-in for a request's first step."""
         if len(confidences):
-            mean = np.mean([np.asarray(c, np.float64)[:self.max_width] for c in confidences], axis=0)
+            mean = np.mean([calibrate(np.asarray(c)[:self.max_width], self.temperatures) for c in confidences],
+                           axis=0)
             self.prior = self.alpha * mean + (1 - self.alpha) * self.prior
 
     def width(self, confidences: Sequence[np.ndarray | None], lookaheads: Sequence[int]) -> int:

@@ -15,10 +15,12 @@ import pytest
 
 from deepinfer.model import init_params, load_config
 from deepinfer.model.tokenizer import load_tokenizer
+from deepinfer.serve.api.embedded import trained_weights
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
 from deepinfer.serve.engine.speculative import SpeculativeConfig
+from deepinfer.serve.engine.verify_schedule import load_calibration
 from tests.serve.test_sampler import EOS, ref_process
 from tests.continuation import continuation_logits
 from tests.serve.oracle_drafts import OracleDrafts
@@ -228,6 +230,18 @@ def test_speculative_config_is_checked(model):
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="method"):
         SpeculativeConfig(method="eagle")
+    for bad in ("1.0", [1.0, 0.0, 1.0, 1.0, 1.0], [1.0, float("nan")] * 3, [True] * 5):
+        with pytest.raises(ValueError, match="confidence_temperatures must be a list of positive numbers"):
+            SpeculativeConfig(confidence_temperatures=bad)
+    with pytest.raises(ValueError, match=r"confidence_temperatures: one per draft position verified, at least "
+                                         r"num_speculative_tokens \(5\), got 4"):
+        SpeculativeConfig(confidence_temperatures=[1.0] * 4)
+    assert SpeculativeConfig(num_speculative_tokens=2, confidence_temperatures=[1, 2.5]).confidence_temperatures \
+        == (1.0, 2.5)
+    with pytest.raises(ValueError, match="confidence_temperatures: 6 given, one per position of the DSpark drafter's "
+                                         "block of 5 at most"):
+        LLMEngine(params, config, tokenizer, EngineConfig(
+            budget=BUDGET, speculative=SpeculativeConfig(confidence_temperatures=[1.0] * 6)))
     with pytest.raises(ValueError, match="exceeds the DSpark drafter's block"):
         LLMEngine(params, config, tokenizer, EngineConfig(
             budget=BUDGET, speculative=SpeculativeConfig(num_speculative_tokens=config.dspark_block_size + 1)))
@@ -248,8 +262,13 @@ def test_llm_speculative_config(tmp_path):
         LLM(speculative_config={"method": "dspark", "enable_adaptive_verification": "yes"}, **small)
     with pytest.raises(ValueError, match="speculative_config.draft_model: unknown key"):
         LLM(speculative_config={"method": "dspark", "draft_model": "x"}, **small)
+    with pytest.raises(ValueError, match="speculative_config: confidence_temperatures must be a list"):
+        LLM(speculative_config={"method": "dspark", "confidence_temperatures": [1.0, -1.0]}, **small)
     llm = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 3}, **small)
-    assert llm.engine.speculative == SpeculativeConfig(num_speculative_tokens=3)
+    # the embedded trained checkpoint carries its drafter's STS temperatures, and LLM takes them
+    sts = tuple(trained_weights()["sts"]["temperatures"])
+    assert load_calibration(llm.model_dir) == sts
+    assert llm.engine.speculative == SpeculativeConfig(num_speculative_tokens=3, confidence_temperatures=sts)
     out = llm.generate([[0, 101, 102, 103]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 9
@@ -275,6 +294,10 @@ def test_llm_speculative_config(tmp_path):
     assert any(key[0] == "verify" for key in compiled) and not any(key[0] == "decode" for key in compiled)
     llm.generate([[0, 104, 105]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert set(llm.engine.runner.compile_seconds) == compiled  # the second call compiled nothing
+    # temperatures given win over the checkpoint's
+    mine = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 3,
+                                   "confidence_temperatures": [1, 1.5, 2]}, **small)
+    assert mine.engine.speculative.confidence_temperatures == (1.0, 1.5, 2.0)
 
 
 def test_llm_adaptive_verification_compiles_every_width_at_warm_up(tmp_path):
@@ -289,6 +312,7 @@ def test_llm_adaptive_verification_compiles_every_width_at_warm_up(tmp_path):
                                   "enable_adaptive_verification": True})
     seconds = llm.engine.verify_schedule.step_seconds
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert llm.engine.verify_schedule.temperatures is None  # (a random checkpoint: no calibration)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     llm.generate([[0, 101, 102, 103]], params, use_tqdm=False)
     compiled = set(llm.engine.runner.compile_seconds)

@@ -2,10 +2,13 @@
 paper, its early stop (the Appendix-A counterexample, engine-features.md §2.3), and the engine's
 choice of a verify width from stale confidences."""
 
+import json
+
 import numpy as np
 import pytest
 
-from deepinfer.serve.engine.verify_schedule import VerifySchedule, schedule
+from deepinfer.serve.engine.verify_schedule import (CALIBRATION_FILE, VerifySchedule, calibrate, load_calibration,
+                                                     schedule)
 
 
 def _by_tokens(per_step: float, per_token: float):
@@ -56,6 +59,49 @@ def _first_token_of_a_step(rng, n: int, early_stop: bool) -> np.ndarray:
     verified = np.where(accepted, x1, 0)  # a rejected B is replaced by the residual's A
     plain = rng.random(n) < p[1]
     return np.where(admitted, verified, plain).astype(int)
+
+
+def _scaled(c, t):
+    """Temperature scaling in closed form: sigmoid(logit(c) / t) = 1 / (1 + ((1 - c) / c) ** (1 / t))."""
+    c, t = np.asarray(c, np.float64), np.asarray(t, np.float64)
+    return 1.0 / (1.0 + ((1.0 - c) / c) ** (1.0 / t))
+
+
+def test_sts_temperatures_calibrate_the_confidences_the_schedule_reads():
+    """Sequential Temperature Scaling (engine-features.md §2.2): draft k's confidence becomes
+    sigmoid(logit(c_k) / T_k) in every average the schedule keeps; order is kept, 0 and 1 stay.
+    An overconfident drafter (T > 1 pulls confidences toward 1/2) no longer buys a verify step
+    that the raw confidences would."""
+    temperatures = (2.0, 0.5, 1.0)
+    raw = np.array([0.9, 0.6, 0.3])
+    np.testing.assert_allclose(calibrate(raw, temperatures), _scaled(raw, temperatures), rtol=1e-12)
+    np.testing.assert_allclose(calibrate(raw, temperatures), [0.75, 0.6923076923, 0.3], rtol=1e-9)
+    np.testing.assert_array_equal(calibrate(raw, None), raw)
+    np.testing.assert_array_equal(calibrate(np.array([0.0, 1.0, 0.5]), (2.0, 2.0, 2.0)), [0.0, 1.0, 0.5])
+    grid = np.linspace(0.01, 0.99, 99)
+    assert np.all(np.diff(calibrate(grid, (3.0,) * 99)) > 0)
+    seconds = [1.0, 1.8, 3.0, 4.0]
+    plain, calibrated = VerifySchedule(seconds, alpha=1.0), VerifySchedule(seconds, alpha=1.0, temperatures=temperatures)
+    np.testing.assert_allclose(calibrated.observe(None, np.r_[raw, 0.5, 0.5]), _scaled(raw, temperatures), rtol=1e-12)
+    calibrated.observe_step([raw, raw])
+    np.testing.assert_allclose(calibrated.prior, _scaled(raw, temperatures), rtol=1e-12)
+    # one request: (1 + 0.9) / 1.8 beats a plain step's 1 / 1.0; calibrated, (1 + 0.75) / 1.8 does not
+    assert plain.width([plain.observe(None, raw)], [3]) == 1
+    assert calibrated.width([calibrated.observe(None, raw)], [3]) == 0
+    with pytest.raises(ValueError, match="temperatures: one per draft position up to 3"):
+        VerifySchedule(seconds, temperatures=(1.0, 1.0))
+
+
+def test_a_checkpoints_calibration_file_is_read_and_a_bad_one_named(tmp_path):
+    assert load_calibration(tmp_path) is None
+    path = tmp_path / CALIBRATION_FILE
+    path.write_text(json.dumps({"confidence_temperatures": [0.7, 1, 1.5], "source": "a test"}))
+    assert load_calibration(tmp_path) == (0.7, 1.0, 1.5)
+    for bad in ("{", json.dumps({"temperatures": [1.0]}), json.dumps({"confidence_temperatures": [1.0, -2.0]}),
+                json.dumps({"confidence_temperatures": []})):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=f"{CALIBRATION_FILE}.*confidence_temperatures"):
+            load_calibration(tmp_path)
 
 
 def test_appendix_a_the_early_stop_keeps_the_target_distribution():

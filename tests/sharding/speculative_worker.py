@@ -1,0 +1,59 @@
+"""One process of the two-process DSpark run in tests/sharding/test_multiprocess.py.
+
+    python -m tests.sharding.speculative_worker COORDINATOR PROCESS_ID CHECKPOINT OUT.json
+
+Joins the two-process runtime (`jax.distributed`, four CPU devices each), builds an `LLM` on a
+dp=2,cp=2,tp=2 mesh over both processes with confidence-scheduled DSpark, generates `REQUESTS`
+and writes what this process saw to OUT.json: the verify-step costs its schedule uses, the
+outputs (tokens, text, finish reason, logprobs) and the spec-decode counters."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+PROMPTS = ("The capital of France is", "Once upon a time", "Answer in lower case:")
+REGEX = "[a-z]{2,8}( [a-z]{2,8}){2,3}"
+ENGINE = dict(max_num_seqs=4, max_model_len=256, page_size=64, prefill_chunk=128, log_stats_interval=None)
+SPECULATIVE = {"method": "dspark", "num_speculative_tokens": 2, "enable_adaptive_verification": True}
+
+
+def requests():
+    """(prompt, SamplingParams): two greedy requests with their top-2 logprobs, one constrained by REGEX."""
+    from deepinfer.serve.api.types import SamplingParams, StructuredOutputsParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    constrained = SamplingParams(temperature=0.0, max_tokens=32, structured_outputs=StructuredOutputsParams(regex=REGEX))
+    return [(PROMPTS[0], greedy), (PROMPTS[1], greedy), (PROMPTS[2], constrained)]
+
+
+def record(outputs) -> list[dict]:
+    """The outputs as JSON: token ids, text, finish reason and per token {id: logprob}."""
+    out = []
+    for o in outputs:
+        c = o.outputs[0]
+        out.append({"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+                    "logprobs": None if c.logprobs is None else
+                    [{str(t): lp.logprob for t, lp in position.items()} for position in c.logprobs]})
+    return out
+
+
+def main(coordinator: str, process_id: str, checkpoint: str, path: str) -> None:
+    from deepinfer.sharding.distributed import DistributedConfig, initialize
+
+    initialize(DistributedConfig(coordinator, 2, int(process_id)))
+    from deepinfer import LLM
+
+    llm = LLM(checkpoint, mesh="dp=2,cp=2,tp=2", speculative_config=SPECULATIVE, **ENGINE)
+    prompts, params = zip(*requests())
+    outputs = llm.generate(list(prompts), list(params), use_tqdm=False)
+    counts = llm.engine.spec_counts
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"step_seconds": list(map(float, llm.engine.verify_schedule.step_seconds)),
+                   "outputs": record(outputs),
+                   "num_drafts": counts.num_drafts, "num_accepted_tokens": counts.num_accepted_tokens,
+                   "kinds": sorted({key[0] for key in llm.engine.runner.compile_seconds})}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
