@@ -507,12 +507,9 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 def _all_processes_arrive(name: str) -> None:
     """A barrier across the processes of a multi-process run (nothing to wait for in one process)."""
-    import jax
+    from deepinfer.sharding.distributed import barrier
 
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
+    barrier(name)
 
 
 # ---- parser and entry point ----------------------------------------------------------------

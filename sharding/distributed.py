@@ -71,3 +71,22 @@ def process_zero_value(values) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.broadcast_one_to_all(values))
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of a multi-process run reaches the barrier `name` (nothing to
+    wait for in one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def host_value(array: jax.Array) -> np.ndarray:
+    """A global array's whole value in this process: in a multi-process run every process's
+    shards gathered (a collective: call it at the same point in every process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+    return np.asarray(array)

@@ -37,6 +37,7 @@ from deepinfer.ops.batch_invariant import batch_invariant, compiler_options
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.sharding.context_parallel import zigzag_slots
 from deepinfer.sharding.cp_forward import ZigzagShards
+from deepinfer.sharding.distributed import barrier
 from deepinfer.sharding.expert_parallel import ExpertParallel
 from deepinfer.sharding.mesh import AXES
 
@@ -198,10 +199,7 @@ class MeshStep:
         of them before it runs (a process still compiling would leave the others' first
         collective waiting past the CPU collectives' 30 s rendezvous deadline)."""
         compiled = jitted.lower(*args).compile()
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(label)
+        barrier(label)
         return compiled
 
     def _build(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool, head=None,

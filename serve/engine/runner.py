@@ -38,6 +38,7 @@ from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
 from deepinfer.serve.engine.speculative import DraftInputs, DraftProposal, VerifiedLogits, VerifyOutput
+from deepinfer.sharding.distributed import host_value
 
 log = logging.getLogger("deepinfer.engine")
 
@@ -483,7 +484,7 @@ class ModelRunner:
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation("verify/propose"):
             proposal, verified, counts = self._propose_and_target(step)
-            drafts = self._on_host(proposal.drafts)[step.row_of]
+            drafts = host_value(proposal.drafts)[step.row_of]
         self._record(key, start)
         return ProposedDrafts(drafts, step, proposal, verified, counts)
 
@@ -550,16 +551,6 @@ class ModelRunner:
         rows = SampleRows(emit, batch.positions[:, 0] + 1, allowed=sample.allowed_rows(row_of, B))
         inputs = self._device_rows((batch, rows, drafts_in))
         return _VerifyInputs(inputs, row_of, B, n_pages, Sampler(sample.num_logprobs))
-
-    @staticmethod
-    def _on_host(a: jax.Array) -> np.ndarray:
-        """A device array's whole value in this process (on a multi-process mesh, every
-        process's shards gathered)."""
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-        return np.asarray(a)
 
     def _device_rows(self, tree):
         """A verify step's host inputs on the device (on a mesh: global arrays, rows over dp)."""

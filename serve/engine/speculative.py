@@ -43,7 +43,7 @@ drafts are still drawn from the (unmasked) drafter's q.
 What is built: fixed-k and confidence-scheduled verification (the host chooses the step's
 width, or a plain decode step, from earlier steps' confidences: `verify_schedule.py`) of every
 request (greedy or sampled, with penalties, min_tokens bans and logprobs, constrained or not),
-synchronous, on one device; in deterministic mode by sample matching (`accept_drafts(by_sample=
+synchronous; in deterministic mode by sample matching (`accept_drafts(by_sample=
 True)`); on a device mesh each dp rank runs the three programs on its own rows
 (`mesh_speculative.py`). Not yet: overlap with asynchronous scheduling.
 """
