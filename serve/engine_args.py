@@ -243,7 +243,8 @@ def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
                         '"enable_adaptive_verification": true to verify as many, at most that, as the drafter\'s '
                         'confidences and the measured step costs make worthwhile, or none (a plain decode '
                         'step), the confidences calibrated by "confidence_temperatures" [T1, ...] or the '
-                        'checkpoint\'s dspark_calibration.json; default: off)')
+                        'checkpoint\'s dspark_calibration.json, the step costs profiled at start unless '
+                        '"verify_step_seconds" [plain, width 1, ...] gives them; default: off)')
     add_compilation_cache_options(p, env)
     p.add_argument("--mesh", default=env.mesh, metavar="SPEC",
                    help="run on a device mesh, e.g. dp=2,cp=2,tp=1 (axes dp, cp, tp; the product is the "

@@ -14,8 +14,8 @@ What it adds on top of `LLMEngine`:
   `"tiny-v4.1-short"` have random weights. `cache_dir` says where an embedded one is written.
   Other presets have no weights here and are rejected; so is a DeepSeek-V4 model (the engine
   serves V4.1; V4 runs only the full forward pass, `deepinfer forward`).
-* prompts in vLLM's forms, validated before any work: one bad prompt fails the whole call with
-  a `ValueError` naming its index, and nothing is left in the engine;
+* prompts in vLLM's forms, validated before any work (`llm_inputs.py`): one bad prompt fails the
+  whole call with a `ValueError` naming its index, and nothing is left in the engine;
 * chat: conversations are rendered and encoded by `prepare_chat` for the model's type (the
   prompt gets exactly the template's BOS), generation stops on EOS, and the answer is parsed back
   into `text` (the content), `reasoning_content` and `tool_calls`;
@@ -25,7 +25,7 @@ What it adds on top of `LLMEngine`:
   compilation cache (`compilation_cache`, ~/.cache/deepinfer/xla) keeps them for the next process;
 * observability: a tqdm "Processed prompts" bar with the estimated input/output speed, vLLM's
   periodic `LoggingStatLogger` line (logger `deepinfer.llm`, INFO, at most every
-  `log_stats_interval` seconds), `get_metrics()` with vLLM's metric names, and
+  `log_stats_interval` seconds), `get_metrics()` with vLLM's metric names (`llm_metrics.py`), and
   `start_profile(dir)` / `stop_profile()` around `jax.profiler`.
 
 Differences from vLLM, on purpose: unknown constructor arguments raise instead of being passed to
@@ -36,21 +36,18 @@ do) unless `chat_template_kwargs` sets `thinking` or `reasoning_effort`; `n` mus
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import itertools
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import numpy as np
 
 from deepinfer.model import load_checkpoint, load_config
 from deepinfer.model.checkpoint import single_device
-from deepinfer.pallas_kernels.accelerator import Accelerator, select_accelerator
+from deepinfer.pallas_kernels.accelerator import select_accelerator
 from deepinfer.serve.api.embedded import (
     DEFAULT_MODEL,
     RANDOM_MODEL,
@@ -60,6 +57,17 @@ from deepinfer.serve.api.embedded import (
     ensure_trained_checkpoint,
     resolve_model,
 )
+from deepinfer.serve.api.llm_inputs import (
+    chat_kwargs,
+    load_tokenizer_argument,
+    normalize_conversations,
+    normalize_params,
+    normalize_prompts,
+    positive_int,
+    resolve_mesh,
+    unknown_argument,
+)
+from deepinfer.serve.api.llm_metrics import LLMMetrics
 from deepinfer.serve.api.types import RequestOutput, SamplingParams
 from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
 from deepinfer.serve.compilation_cache import enable_compilation_cache, resolve_compilation_cache
@@ -84,7 +92,6 @@ __all__ = ["DEFAULT_MODEL", "LLM", "PREFILL_MODES", "RANDOM_MODEL", "RANDOM_MODE
 
 log = logging.getLogger("deepinfer.llm")
 
-CHAT_TEMPLATE_KEYS = ("thinking", "reasoning_effort", "tool_choice", "response_format")
 _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
     "prefill_chunk", "max_num_batched_tokens", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
@@ -95,62 +102,6 @@ _KNOWN_ARGS = (
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-
-
-def _resolve_mesh(mesh: Any, accelerator: Accelerator):
-    """None | "auto" | "dp=2,cp=2,tp=1" | {"dp": 2, ...} | Mesh -> Mesh or None; a spec is laid
-    over the accelerator's devices, a Mesh must be made of them."""
-    if mesh is None:
-        return None
-    from jax.sharding import Mesh
-
-    from deepinfer.sharding import AXES, make_mesh
-
-    if isinstance(mesh, Mesh):
-        if tuple(mesh.axis_names) != AXES:
-            raise ValueError(f"mesh: axes must be {AXES}, got {tuple(mesh.axis_names)}")
-        platforms = {d.platform for d in mesh.devices.flat}
-        if accelerator.backend is not None and platforms != {accelerator.platform}:
-            raise ValueError(f"mesh: its devices are {', '.join(sorted(platforms))} but accelerator="
-                             f"{accelerator.name!r} runs on {accelerator.platform}")
-        return mesh
-    if not isinstance(mesh, (str, dict)):
-        raise ValueError(f"mesh: must be a Mesh, a spec like 'dp=2,cp=2,tp=1', a dict or 'auto', "
-                         f"got {type(mesh).__name__}")
-    try:
-        return make_mesh(None if mesh == "auto" else mesh, devices=accelerator.devices)
-    except ValueError as e:
-        raise ValueError(f"mesh: {e}") from None
-
-
-def _unknown_argument(name: str, known: Iterable[str], what: str) -> ValueError:
-    hint = difflib.get_close_matches(name, sorted(known), n=1)
-    suffix = f" (did you mean {hint[0]!r}?)" if hint else ""
-    return ValueError(f"{name}: unknown {what}{suffix}")
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _is_token_list(value: Any) -> bool:
-    if isinstance(value, np.ndarray):
-        return value.ndim == 1 and np.issubdtype(value.dtype, np.integer)
-    return (isinstance(value, (list, tuple)) and len(value) > 0
-            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value))
-
-
-def _token_ids(value: Any, where: str) -> list[int]:
-    if not isinstance(value, (list, tuple, np.ndarray)):
-        raise ValueError(f"{where}: prompt_token_ids must be a list of int, got {type(value).__name__}")
-    ids = []
-    for t in value:
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise ValueError(f"{where}: token ids must be integers, got {t!r}")
-        ids.append(int(t))
-    return ids
 
 
 def parse_chat_completion(tokenizer: Any, prompt: ChatPrompt, output: RequestOutput) -> ParsedChat:
@@ -272,7 +223,9 @@ class LLM:
             `SpeculativeConfig`): every decoding request verifies that many drafts per step;
             `"enable_adaptive_verification": true` chooses how many from the drafter's
             confidences, calibrated by `"confidence_temperatures"` or else by the checkpoint's
-            own (`dspark_calibration.json`, which the embedded trained model has). The engine
+            own (`dspark_calibration.json`, which the embedded trained model has), the step
+            costs it weighs them against profiled at start unless `"verify_step_seconds"`
+            gives them (the curve an earlier start logged). The engine
             then reads each step before planning the next (no asynchronous scheduling). None: off.
 
     Unknown keyword arguments raise `ValueError` naming the argument.
@@ -313,14 +266,14 @@ class LLM:
         **unknown: Any,
     ) -> None:
         if unknown:
-            raise _unknown_argument(sorted(unknown)[0], _KNOWN_ARGS, "LLM argument")
-        _positive_int("seed", seed, minimum=0)
-        _positive_int("max_model_len", max_model_len, minimum=2)
-        _positive_int("max_num_seqs", max_num_seqs)
-        _positive_int("page_size", page_size)
+            raise unknown_argument(sorted(unknown)[0], _KNOWN_ARGS, "LLM argument")
+        positive_int("seed", seed, minimum=0)
+        positive_int("max_model_len", max_model_len, minimum=2)
+        positive_int("max_num_seqs", max_num_seqs)
+        positive_int("page_size", page_size)
         if num_pages is not None:
-            _positive_int("num_pages", num_pages)
-        _positive_int("prefill_chunk", prefill_chunk)
+            positive_int("num_pages", num_pages)
+        positive_int("prefill_chunk", prefill_chunk)
         if prefill_chunk % 128:
             raise ValueError(f"prefill_chunk: must be a multiple of 128, got {prefill_chunk}")
         if dtype is not None and dtype not in ("float32", "bfloat16"):
@@ -335,23 +288,23 @@ class LLM:
         speculative = SpeculativeConfig.from_value(speculative_config)
         if prefill_mode not in PREFILL_MODES:
             raise ValueError(f"prefill_mode: must be one of {', '.join(PREFILL_MODES)}, got {prefill_mode!r}")
-        _positive_int("keep_tokens", keep_tokens)
+        positive_int("keep_tokens", keep_tokens)
         if log_stats_interval is not None and (not isinstance(log_stats_interval, (int, float))
                                                or isinstance(log_stats_interval, bool) or log_stats_interval < 0):
             raise ValueError(f"log_stats_interval: must be a non-negative number or None, got {log_stats_interval!r}")
 
         if eplb_interval is not None:
-            _positive_int("eplb_interval", eplb_interval)
+            positive_int("eplb_interval", eplb_interval)
         if eplb_slots is not None:
-            _positive_int("eplb_slots", eplb_slots)
+            positive_int("eplb_slots", eplb_slots)
         # before anything compiles (process-wide; the first directory set in the process stays)
         self.compilation_cache = enable_compilation_cache(cache_directory)
         # first JAX work of the constructor: the Ascend plugin must register before the backends start
         self.accelerator = select_accelerator(accelerator)
-        self.mesh = _resolve_mesh(mesh, self.accelerator)
+        self.mesh = resolve_mesh(mesh, self.accelerator)
         if self.mesh is not None and max_num_seqs % self.mesh.shape["dp"]:
             raise ValueError(f"max_num_seqs: {max_num_seqs} must be a multiple of the mesh's dp={self.mesh.shape['dp']}")
-        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        positive_int("max_num_batched_tokens", max_num_batched_tokens)
         check_token_budget(max_num_batched_tokens, max_num_seqs // (1 if self.mesh is None else self.mesh.shape["dp"]))
         directory, self.model_name = resolve_model(model, cache_dir)
         self.model_dir = directory
@@ -383,7 +336,7 @@ class LLM:
                 directory, placement=single_device(self.accelerator.first_local_device), **overrides)
         except (ValueError, OSError) as e:  # CheckpointError / ConfigError are ValueErrors
             raise ValueError(f"model: cannot load checkpoint {directory}: {e}") from None
-        self.tokenizer = self._load_tokenizer(tokenizer)
+        self.tokenizer = load_tokenizer_argument(tokenizer)
         self.max_model_len = max_model_len
         budget = CacheBudget(num_slots=max_num_seqs, max_model_len=max_model_len, page_size=page_size,
                              num_pages=num_pages)
@@ -403,37 +356,8 @@ class LLM:
         self.warmup = warmup
         self.warmup_seconds = 0.0  # compile time spent warming up, all calls together
         self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._prompt_counted: set[str] = set()
-        self._prompt_tokens = 0
-        self._success = {"stop": 0, "length": 0, "abort": 0}
-        self._samples: dict[str, list[float]] = {
-            "vllm:time_to_first_token_seconds": [],
-            "vllm:e2e_request_latency_seconds": [],
-            "vllm:request_queue_time_seconds": [],
-            "vllm:request_prompt_tokens": [],
-            "vllm:request_generation_tokens": [],
-        }
-        self._last_log = (time.monotonic(), 0, 0)
+        self.metrics = LLMMetrics(self.engine)
         self._profile_dir: str | None = None
-
-    # ---- construction helpers ---------------------------------------------------------------
-
-    @staticmethod
-    def _load_tokenizer(tokenizer: Any):
-        from deepinfer.model.tokenizer import load_tokenizer
-
-        if tokenizer is None:
-            return load_tokenizer()
-        if isinstance(tokenizer, (str, os.PathLike)):
-            try:
-                return load_tokenizer(tokenizer, expected_sha256=None)
-            except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception types
-                raise ValueError(f"tokenizer: cannot load {os.fspath(tokenizer)!r}: {e}") from None
-        for method in ("encode", "decode", "token_to_id"):
-            if not callable(getattr(tokenizer, method, None)):
-                raise ValueError(f"tokenizer: expected a path or a tokenizers.Tokenizer, got {type(tokenizer).__name__}")
-        return tokenizer
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -464,8 +388,8 @@ class LLM:
             list with one per prompt; None means `SamplingParams()`.
         use_tqdm: show the "Processed prompts" bar (or a tqdm-like callable to build it).
         """
-        items = self._normalize_prompts(prompts)
-        params = self._normalize_params(sampling_params, len(items))
+        items = normalize_prompts(prompts, self.encode_prompt)
+        params = normalize_params(sampling_params, len(items))
         return self._generate(items, params, use_tqdm=use_tqdm, label="prompt")
 
     def chat(
@@ -490,9 +414,9 @@ class LLM:
         (thinking mode), `tool_calls` the parsed calls; `prompt` the rendered prompt text.
         `finish_reason` / `stop_reason` are the engine's (vLLM's), generation stops on EOS.
         """
-        conversations = self._normalize_conversations(messages)
-        kwargs = self._chat_kwargs(chat_template_kwargs)
-        params = self._normalize_params(sampling_params, len(conversations))
+        conversations = normalize_conversations(messages)
+        kwargs = chat_kwargs(chat_template_kwargs)
+        params = normalize_params(sampling_params, len(conversations))
         prompts = [self.prepare_chat(conv, tools=tools, where=f"conversation {i}", **kwargs)
                    for i, conv in enumerate(conversations)]
         params = [self.chat_constraint(prompt, p, where=f"conversation {i}")
@@ -549,22 +473,7 @@ class LLM:
         `vllm:spec_decode_num_accepted_tokens_per_pos` ({position: count}). With the prefix cache,
         `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` (tokens looked up, tokens found).
         """
-        with self._lock:
-            self._count_prompts()
-            scheduler = self.engine.scheduler
-            metrics: dict[str, Any] = {
-                "vllm:num_requests_running": len(scheduler.running),
-                "vllm:num_requests_waiting": len(scheduler.waiting),
-                "vllm:kv_cache_usage_perc": float(self.engine.cache.usage()),
-                "vllm:prompt_tokens": self._prompt_tokens,
-                "vllm:generation_tokens": int(self.engine.stats["generation_tokens"]),
-                "vllm:num_preemptions": int(scheduler.num_preemptions),
-                "vllm:request_success": dict(self._success),
-            }
-            for name, samples in self._samples.items():
-                metrics[name] = list(samples)
-            metrics.update(self.engine.counters())
-        return metrics
+        return self.metrics.snapshot()
 
     def start_profile(self, log_dir: str | os.PathLike) -> None:
         """Start a `jax.profiler` trace written under `log_dir` (view with TensorBoard / XProf)."""
@@ -584,88 +493,6 @@ class LLM:
         return log_dir
 
     # ---- requests ---------------------------------------------------------------------------
-
-    def _normalize_prompts(self, prompts: Any) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts):
-            prompts = [prompts]
-        elif not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts: expected a str, a list of token ids, a prompt dict or a list of "
-                             f"those, got {type(prompts).__name__}")
-        return [self._one_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
-
-    def _one_prompt(self, prompt: Any, where: str) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{where}: the prompt is empty")
-            return prompt, self.encode_prompt(prompt)
-        if isinstance(prompt, Mapping):
-            extra = set(prompt) - {"prompt", "prompt_token_ids"}
-            if extra:
-                raise ValueError(f"{where}: unsupported prompt key {sorted(extra)[0]!r} "
-                                 "(use 'prompt' or 'prompt_token_ids')")
-            if "prompt_token_ids" in prompt:
-                text = prompt.get("prompt")
-                ids = _token_ids(prompt["prompt_token_ids"], where)
-                if not ids:
-                    raise ValueError(f"{where}: the prompt is empty")
-                return (text if isinstance(text, str) else None), ids
-            if "prompt" in prompt:
-                if not isinstance(prompt["prompt"], str):
-                    raise ValueError(f"{where}: 'prompt' must be a str, got {type(prompt['prompt']).__name__}")
-                return self._one_prompt(prompt["prompt"], where)
-            raise ValueError(f"{where}: a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = _token_ids(prompt, where)
-            if not ids:
-                raise ValueError(f"{where}: the prompt is empty")
-            return None, ids
-        raise ValueError(f"{where}: expected a str, a list of token ids or a prompt dict, got {type(prompt).__name__}")
-
-    @staticmethod
-    def _normalize_params(sampling_params, n: int) -> list[SamplingParams]:
-        def one(p, where):
-            if p is None:
-                return SamplingParams()
-            if isinstance(p, SamplingParams):
-                return p
-            if isinstance(p, Mapping):
-                try:
-                    return SamplingParams.from_dict(p)
-                except ValueError as e:
-                    raise ValueError(f"{where}: {e}") from None
-            raise ValueError(f"{where}: expected SamplingParams, got {type(p).__name__}")
-
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != n:
-                raise ValueError(f"sampling_params: {len(sampling_params)} given for {n} prompts "
-                                 "(pass one, or one per prompt)")
-            return [one(p, f"sampling_params[{i}]") for i, p in enumerate(sampling_params)]
-        shared = one(sampling_params, "sampling_params")
-        return [shared] * n
-
-    @staticmethod
-    def _normalize_conversations(messages) -> list[list[Mapping[str, Any]]]:
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages: expected a conversation (a non-empty list of message dicts) "
-                             "or a list of conversations")
-        if all(isinstance(m, Mapping) for m in messages):
-            return [list(messages)]
-        if all(isinstance(c, (list, tuple)) for c in messages):
-            return [list(c) for c in messages]
-        raise ValueError("messages: mix of message dicts and conversations; pass one conversation "
-                         "(a list of dicts) or a list of conversations")
-
-    @staticmethod
-    def _chat_kwargs(chat_template_kwargs) -> dict[str, Any]:
-        kwargs = dict(chat_template_kwargs or {})
-        for key in kwargs:
-            if key not in CHAT_TEMPLATE_KEYS:
-                raise _unknown_argument(key, CHAT_TEMPLATE_KEYS, "chat_template_kwargs key")
-        if "thinking" in kwargs and kwargs["thinking"] is not None and not isinstance(kwargs["thinking"], bool):
-            raise ValueError(f"thinking: must be a bool, got {kwargs['thinking']!r}")
-        if kwargs.get("thinking") is None and kwargs.get("reasoning_effort") is None:
-            kwargs["thinking"] = False
-        return kwargs
 
     def _next_request_id(self) -> str:
         return f"llm-{next(self._ids)}"
@@ -734,10 +561,7 @@ class LLM:
                 if not self.engine.has_unfinished():
                     raise RuntimeError(f"the engine dropped {len(pending)} request(s) without a result")
                 outputs = self.engine.step()
-                with self._lock:
-                    self._count_prompts(outputs)
-                    for output in outputs:
-                        self._record(output)
+                self.metrics.finished(outputs)
                 for output in outputs:
                     if output.request_id in pending:
                         pending.discard(output.request_id)
@@ -745,68 +569,13 @@ class LLM:
                         progress.update(output)
                         if on_output is not None:
                             on_output(output)
-                self._maybe_log_stats()
+                self.metrics.maybe_log(self.log_stats_interval)
         except BaseException:
             for request_id in pending:
                 aborted = self.engine.abort(request_id)
                 if aborted is not None:
-                    with self._lock:
-                        self._record(aborted)
+                    self.metrics.finished([aborted])
             raise
         finally:
             progress.close()
         return results
-
-    # ---- statistics -------------------------------------------------------------------------
-
-    def _count_prompts(self, finished: Sequence[RequestOutput] = ()) -> None:
-        """vLLM counts a request's prompt tokens once, when it produced its first token."""
-        for request in list(self.engine.requests.values()):
-            if request.output_ids and request.request_id not in self._prompt_counted:
-                self._prompt_counted.add(request.request_id)
-                self._prompt_tokens += len(request.prompt_token_ids)
-        for output in finished:
-            if output.request_id in self._prompt_counted:
-                self._prompt_counted.discard(output.request_id)
-            elif any(c.token_ids for c in output.outputs):
-                self._prompt_tokens += len(output.prompt_token_ids or ())
-
-    def _record(self, output: RequestOutput) -> None:
-        reason = output.outputs[0].finish_reason if output.outputs else None
-        if reason is not None:
-            self._success[reason] = self._success.get(reason, 0) + 1
-        m = output.metrics
-        if m is None:
-            return
-        if m.time_to_first_token is not None:
-            self._samples["vllm:time_to_first_token_seconds"].append(m.time_to_first_token)
-        if m.e2e_latency is not None:
-            self._samples["vllm:e2e_request_latency_seconds"].append(m.e2e_latency)
-        if m.time_in_queue is not None:
-            self._samples["vllm:request_queue_time_seconds"].append(m.time_in_queue)
-        self._samples["vllm:request_prompt_tokens"].append(float(len(output.prompt_token_ids or ())))
-        self._samples["vllm:request_generation_tokens"].append(
-            float(sum(len(c.token_ids) for c in output.outputs)))
-
-    def stats_line(self, prompt_throughput: float, generation_throughput: float) -> str:
-        """vLLM's `LoggingStatLogger` line for the given throughputs and the current engine state."""
-        scheduler = self.engine.scheduler
-        return (f"Engine 000: Avg prompt throughput: {prompt_throughput:.1f} tokens/s, "
-                f"Avg generation throughput: {generation_throughput:.1f} tokens/s, "
-                f"Running: {len(scheduler.running)} reqs, Waiting: {len(scheduler.waiting)} reqs, "
-                f"GPU KV cache usage: {100.0 * self.engine.cache.usage():.1f}%, "
-                f"Prefix cache hit rate: 0.0%")
-
-    def _maybe_log_stats(self) -> None:
-        if self.log_stats_interval is None:
-            return
-        now = time.monotonic()
-        last_time, last_prompt, last_gen = self._last_log
-        elapsed = now - last_time
-        if elapsed < self.log_stats_interval:
-            return
-        prompt = int(self.engine.stats["prompt_tokens"])
-        gen = int(self.engine.stats["generation_tokens"])
-        span = max(elapsed, 1e-9)
-        log.info("%s", self.stats_line((prompt - last_prompt) / span, (gen - last_gen) / span))
-        self._last_log = (now, prompt, gen)

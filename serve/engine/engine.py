@@ -58,7 +58,8 @@ from deepinfer.model.drafter import has_drafter
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine.types import MAX_LOGPROBS, Logprob, RequestOutput, SamplingParams
 from deepinfer.serve.engine import sampling_state
-from deepinfer.serve.engine.cache import AdmissionError, CacheBudget, CacheManager, make_layout
+from deepinfer.serve.engine.cache import AdmissionError, CacheManager, make_layout
+from deepinfer.serve.engine.engine_config import PREFILL_MODES, EngineConfig
 from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.page_store import params_fingerprint
 from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
@@ -66,83 +67,19 @@ from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples, SplitStep, StepSampling, token_bucket
 from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.scheduler import GRANULE, Scheduler, prefill_passes
-from deepinfer.serve.engine.speculative import SpecDecodeCounts, SpeculativeConfig
+from deepinfer.serve.engine.speculative import SpecDecodeCounts
 from deepinfer.serve.engine.verify_schedule import VerifySchedule
 from deepinfer.serve.text.detokenizer import IncrementalDetokenizer
 from deepinfer.serve.text.stops import StopChecker
 from deepinfer.sharding.distributed import process_zero_value
 
 log = logging.getLogger("deepinfer.engine")
-PREFILL_MODES = ("full", "compact")
 FORCED_BUCKET = 16  # the shortest token bucket of a step of jump-forward chunks
 
 
 class EngineStalledError(RuntimeError):
     """A step could not advance any request (an engine bug, never a request's fault): raised
     instead of looping forever, naming the requests and how far each got."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    budget: CacheBudget = CacheBudget()
-    prefill_chunk: int = 512
-    # tokens per step and dp rank (vLLM's name): decodes plus prefill chunks of several prompts,
-    # and the prefill step's padded rows x tokens; a burst of requests is admitted in a few steps
-    max_num_batched_tokens: int = 2048
-    seed: int = 0
-    kernels: KernelConfig | None = None
-    # "compact" (DeepInfer's default): decoder layers run only on each prompt's last
-    # `keep_tokens` rows (model-v4.1-flash.md §4.3); "full": every layer on every row
-    prefill_mode: str = "compact"
-    keep_tokens: int = 140
-    # expert load balancing: every `eplb_interval` steps, a new layout of `eplb_slots` physical
-    # experts per layer (default: one extra slot per device) from the load counted since the last
-    eplb_interval: int | None = None
-    eplb_slots: int | None = None
-    # keep the DSpark drafter's context (its per-block window rings) when the checkpoint has the
-    # drafter: per token one main_proj and a wkv per block (about 3 % of a step), which only the
-    # speculative-decoding loop reads: off unless speculative decoding is on
-    drafter_context: bool = False
-    # the per-slot sampling state's fixed-size lists: logit_bias entries per request, and stop
-    # token ids held back until min_tokens (plus EOS)
-    max_logit_bias: int = 128
-    max_stop_token_ids: int = 32
-    # plan and dispatch each step before reading the previous step's tokens (module docstring)
-    async_scheduling: bool = True
-    # DSpark speculative decoding (`speculative.py`); None: off. It keeps the drafter's context
-    # (whatever `drafter_context` says) and, for now, reads each step before planning the next
-    speculative: SpeculativeConfig | None = None
-    # confidence-scheduled verification's step-cost curve: seconds of a plain decode step, then of
-    # a verify step per width 1 .. num_speculative_tokens drafts per row, as an earlier engine of
-    # this configuration on this machine measured it (`engine.verify_schedule.step_seconds`);
-    # None: profiled at start
-    verify_step_seconds: tuple[float, ...] | None = None
-    # batch-invariant inference (engine-features.md §3): a request's tokens and logprobs are the
-    # same bits whatever else is in the batch, its row, and how its prompt was chunked; the step
-    # computes every product in fixed tiles and each query's keys in one order
-    # (`KernelConfig.batch_invariant`), and a request without a seed samples with one derived
-    # from its prompt (not from its arrival). With speculative decoding, a draft is accepted iff
-    # it is the token the plain sampler draws there (`accept_drafts(by_sample=True)`): the same
-    # bits as without. On a mesh too (dp ranks, experts over every device; DSpark included);
-    # there prefill chunks are not split over cp (each cp replica computes whole rows).
-    deterministic: bool = False
-    # share full prompt pages between requests by their tokens and rebuild the per-sequence
-    # state of a hit by replay (`prefix_cache.py`); None: every prompt is computed from its start
-    prefix_cache: PrefixCacheConfig | None = None
-
-    def __post_init__(self):
-        if self.prefill_mode not in PREFILL_MODES:
-            raise ValueError(f"prefill_mode must be 'full' or 'compact', got {self.prefill_mode!r}")
-        if self.max_num_batched_tokens < GRANULE:
-            raise ValueError(f"max_num_batched_tokens must be at least {GRANULE} (one prefill chunk), "
-                             f"got {self.max_num_batched_tokens}")
-        if self.keep_tokens < 1:
-            raise ValueError(f"keep_tokens must be positive, got {self.keep_tokens}")
-        if self.eplb_interval is not None and self.eplb_interval < 1:
-            raise ValueError(f"eplb_interval must be positive, got {self.eplb_interval}")
-        if self.max_logit_bias < 0 or self.max_stop_token_ids < 0:
-            raise ValueError(f"max_logit_bias and max_stop_token_ids must be non-negative, got "
-                             f"{self.max_logit_bias} and {self.max_stop_token_ids}")
 
 
 class LLMEngine:
@@ -213,23 +150,20 @@ class LLMEngine:
         # tokens in flight (asynchronous scheduling, one device, no speculative decoding)
         self._splits = self.async_scheduling and self.speculative is None and mesh is None
         # confidence-scheduled verification: a plain decode step's cost and a verify step's per
-        # width, profiled now (dummy steps on the idle engine: `warmup.time_decode_steps`)
+        # width, profiled now (dummy steps on the idle engine: `warmup.time_decode_steps`) unless
+        # the speculative config gives them
         self.verify_schedule = None
         if self.speculative is not None and self.speculative.enable_adaptive_verification:
             from deepinfer.serve.engine.warmup import time_decode_steps
 
-            seconds = engine_config.verify_step_seconds
-            if seconds is None:
-                seconds = time_decode_steps(self)
-            elif len(seconds) != self.speculative.num_speculative_tokens + 1:
-                raise ValueError(f"verify_step_seconds: a plain decode step's cost, then one per width 1 .. "
-                                 f"{self.speculative.num_speculative_tokens} "
-                                 f"({self.speculative.num_speculative_tokens + 1} values), got {len(seconds)}")
-            # one curve for every process of a multi-process mesh (each measured its own): the
-            # widths they choose must be the same, or their steps' collectives never meet
+            seconds = self.speculative.verify_step_seconds or time_decode_steps(self)
+            # one curve for every process of a multi-process mesh (each measured or was given its
+            # own): the widths they choose must be the same, or their steps' collectives never meet
             seconds = process_zero_value(np.asarray(seconds, np.float64)).tolist()
-            log.info("step seconds: plain decode %.4f, verify by drafts per row %s", seconds[0],
-                     ", ".join(f"{w}: {s:.4f}" for w, s in enumerate(seconds) if w))
+            log.info("step seconds: plain decode %.4f, verify by drafts per row %s (speculative_config "
+                     "\"verify_step_seconds\": [%s])", seconds[0],
+                     ", ".join(f"{w}: {s:.4f}" for w, s in enumerate(seconds) if w),
+                     ", ".join(f"{s:.6f}" for s in seconds))
             self.verify_schedule = VerifySchedule(seconds, temperatures=self.speculative.confidence_temperatures)
 
     def verify_widths(self) -> list[int]:
@@ -522,7 +456,7 @@ class LLMEngine:
             if request.to_feed == 1 and request not in finished:
                 request.finish_reason = "length"
                 request.status = Status.FINISHED
-                self._flush_text(request)
+                request.flush_text()
                 finished.append(request)
 
     # ---- sampling and stop rules -------------------------------------------------------
@@ -568,7 +502,7 @@ class LLMEngine:
                 finished.append(request)
             elif request.closing and not request.pending:  # (the limits are counted alike: a safeguard)
                 request.finish_reason, request.status = request.closing, Status.FINISHED
-                self._flush_text(request)
+                request.flush_text()
                 finished.append(request)
         return finished
 
@@ -586,7 +520,7 @@ class LLMEngine:
             log.error("request %r: token %d is outside its structured-output grammar: %s", request.request_id,
                       token, request.constraint.error)
             request.finish_reason, request.stop_reason = "stop", "grammar_error"
-            self._flush_text(request)
+            request.flush_text()
             request.status = Status.FINISHED
             return True
         if request.logprobs is not None:
@@ -596,12 +530,12 @@ class LLMEngine:
                 entry.setdefault(alt, Logprob(float(out.top_logprobs[j]), j + 1, self._decode_one(alt)))
             request.logprobs.append(entry)
             request.cumulative_logprob += float(out.logprobs)
-        if self._check_stop(request, token):
+        if request.check_stop(token, self.config.eos_token_id, self.cache.layout.max_len):
             request.status = Status.FINISHED
             return True
         if request.constraint is not None and request.constraint.finished:  # the grammar is complete
             request.finish_reason = "stop"
-            self._flush_text(request)
+            request.flush_text()
             request.status = Status.FINISHED
             return True
         return False
@@ -721,37 +655,6 @@ class LLMEngine:
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    def _flush_text(self, request: Request) -> None:
-        if request.detokenizer is not None:
-            request.text += request.stops.feed(request.detokenizer.flush()).text
-            request.text += request.stops.flush()
-
-    def _check_stop(self, request: Request, token: int) -> bool:
-        params = request.params
-        n_out = len(request.output_ids)
-        if request.detokenizer is not None:
-            update = request.stops.feed(request.detokenizer.push(token))
-            request.text += update.text
-            if update.stopped and n_out >= params.min_tokens:
-                request.finish_reason, request.stop_reason = "stop", update.stop_reason
-                return True
-        if n_out >= params.min_tokens:
-            if token == self.config.eos_token_id and not params.ignore_eos:
-                request.finish_reason = "stop"
-                self._flush_text(request)
-                return True
-            if params.stop_token_ids and token in params.stop_token_ids:
-                request.finish_reason, request.stop_reason = "stop", token
-                self._flush_text(request)
-                return True
-        limit = params.max_tokens if params.max_tokens is not None else float("inf")
-        if n_out >= limit or request.length >= self.cache.layout.max_len:
-            request.finish_reason = "length"
-            self._flush_text(request)
-            return True
-        return False
-
-
 @dataclass
 class _Sampled:
     """A row of a dispatched step that sampled `request`'s next token."""
@@ -768,4 +671,4 @@ def _row(out: SampleOutput, *index: int) -> SampleOutput:
                           (out.tokens, out.logprobs, out.ranks, out.top_ids, out.top_logprobs)))
 
 
-__all__ = ["AdmissionError", "EngineConfig", "EngineStalledError", "LLMEngine"]
+__all__ = ["PREFILL_MODES", "AdmissionError", "EngineConfig", "EngineStalledError", "LLMEngine"]

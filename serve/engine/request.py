@@ -95,6 +95,42 @@ class Request:
     def finished(self) -> bool:
         return self.status == Status.FINISHED
 
+    def flush_text(self) -> None:
+        """The text the detokenizer and the stop-string checker still hold back, appended (the
+        request ends)."""
+        if self.detokenizer is not None:
+            self.text += self.stops.feed(self.detokenizer.flush()).text
+            self.text += self.stops.flush()
+
+    def check_stop(self, token: int, eos_token_id: int, max_len: int) -> bool:
+        """The stop rules for `token`, just appended to `output_ids`, in vLLM's order: a stop
+        string completed by its text, EOS (unless `ignore_eos`) and `stop_token_ids` (these three
+        once `min_tokens` are out), then `max_tokens` and the context of `max_len` tokens. True
+        when the request ends here, with its finish and stop reasons set and its text flushed."""
+        params = self.params
+        n_out = len(self.output_ids)
+        if self.detokenizer is not None:
+            update = self.stops.feed(self.detokenizer.push(token))
+            self.text += update.text
+            if update.stopped and n_out >= params.min_tokens:
+                self.finish_reason, self.stop_reason = "stop", update.stop_reason
+                return True
+        if n_out >= params.min_tokens:
+            if token == eos_token_id and not params.ignore_eos:
+                self.finish_reason = "stop"
+                self.flush_text()
+                return True
+            if params.stop_token_ids and token in params.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token
+                self.flush_text()
+                return True
+        limit = params.max_tokens if params.max_tokens is not None else float("inf")
+        if n_out >= limit or self.length >= max_len:
+            self.finish_reason = "length"
+            self.flush_text()
+            return True
+        return False
+
     def to_output(self) -> RequestOutput:
         completion = CompletionOutput(
             index=0,

@@ -30,7 +30,7 @@ __all__ = ["planned_shapes"]
 
 
 def _final_length(request, max_len: int) -> int:
-    """Where a request that never stops early ends (`LLMEngine._check_stop`)."""
+    """Where a request that never stops early ends (`Request.check_stop`)."""
     limit = request.params.max_tokens
     return max_len if limit is None else min(max_len, len(request.prompt_token_ids) + limit)
 

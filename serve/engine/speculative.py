@@ -73,7 +73,14 @@ __all__ = ["DraftInputs", "DraftProposal", "SpecDecodeCounts", "SpeculativeConfi
            "accept_drafts", "propose_drafts", "verify_target"]
 
 METHODS = ("dspark",)
-KEYS = ("method", "num_speculative_tokens", "enable_adaptive_verification", "confidence_temperatures")
+KEYS = ("method", "num_speculative_tokens", "enable_adaptive_verification", "confidence_temperatures",
+        "verify_step_seconds")
+
+
+def _positive_numbers(values) -> bool:
+    """`values` is a list (or tuple) of positive finite numbers."""
+    return (not isinstance(values, (str, bytes)) and hasattr(values, "__len__")
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf") for v in values))
 
 
 @dataclass(frozen=True)
@@ -87,12 +94,18 @@ class SpeculativeConfig:
     Scaling (engine-features.md §2.2), one temperature per draft position, at least
     `num_speculative_tokens` of them, that calibrate the confidences the scheduler reads; None:
     the checkpoint's own (`verify_schedule.CALIBRATION_FILE`, written with the embedded trained
-    model) where `LLM` finds them, else the raw confidences. Only adaptive verification reads them."""
+    model) where `LLM` finds them, else the raw confidences. `verify_step_seconds`: the step-cost
+    curve the scheduler weighs tokens against (seconds of a plain decode step, then of a verify
+    step per width 1 .. `num_speculative_tokens` drafts per row), as an earlier engine of this
+    configuration on this machine measured and logged it; None: profiled when the engine starts.
+    On a multi-process mesh process 0's (given or measured) is every process's. Only adaptive
+    verification reads these two."""
 
     method: str = "dspark"
     num_speculative_tokens: int = 5
     enable_adaptive_verification: bool = False
     confidence_temperatures: tuple[float, ...] | None = None
+    verify_step_seconds: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -104,15 +117,19 @@ class SpeculativeConfig:
                              f"got {self.enable_adaptive_verification!r}")
         if self.confidence_temperatures is not None:
             temperatures = self.confidence_temperatures
-            if (isinstance(temperatures, (str, bytes)) or not hasattr(temperatures, "__len__")
-                    or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < float("inf")
-                               for t in temperatures)):
+            if not _positive_numbers(temperatures):
                 raise ValueError(f"confidence_temperatures must be a list of positive numbers (one per draft "
                                  f"position), got {temperatures!r}")
             if len(temperatures) < self.num_speculative_tokens:
                 raise ValueError(f"confidence_temperatures: one per draft position verified, at least "
                                  f"num_speculative_tokens ({self.num_speculative_tokens}), got {len(temperatures)}")
             object.__setattr__(self, "confidence_temperatures", tuple(float(t) for t in temperatures))
+        if self.verify_step_seconds is not None:
+            seconds, k = self.verify_step_seconds, self.num_speculative_tokens
+            if not _positive_numbers(seconds) or len(seconds) != k + 1:
+                raise ValueError(f"verify_step_seconds: a plain decode step's cost, then one per width 1 .. {k} "
+                                 f"({k + 1} positive numbers), got {seconds!r}")
+            object.__setattr__(self, "verify_step_seconds", tuple(float(t) for t in seconds))
 
     @classmethod
     def from_value(cls, value, name: str = "speculative_config") -> SpeculativeConfig | None:

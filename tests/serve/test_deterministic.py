@@ -199,11 +199,11 @@ def _spec_requests():
             ("other", others[1], SamplingParams(temperature=0.7, seed=1, max_tokens=4, ignore_eos=True))]
 
 
-def _spec_run(model, speculative, inject=None, **options) -> tuple[LLMEngine, dict]:
+def _spec_run(model, speculative, inject=None) -> tuple[LLMEngine, dict]:
     """(engine, {request: (token ids, logprobs)}) of one deterministic run of `_spec_requests`."""
     config, params, tokenizer = model
     engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, deterministic=True, speculative=speculative,
-                                                               drafter_context=True, **options))
+                                                               drafter_context=True))
     for rid, prompt, sp in _spec_requests():
         engine.add_request(rid, prompt, sp)
     out = {}
@@ -232,8 +232,9 @@ def test_speculative_decoding_gives_the_bits_of_plain_decoding(model):
     assert engine.spec_counts.num_accepted_tokens == right
     assert right >= 2 * SPEC_TOKENS, right  # most verify positions of most steps were accepted drafts
 
-    scheduled = SpeculativeConfig(num_speculative_tokens=SPEC_K, enable_adaptive_verification=True)
     # a verify step costs a decode step at every width here: the widths follow the confidences
-    engine, adaptive = _spec_run(model, scheduled, verify_step_seconds=(1.0,) * (SPEC_K + 1))
+    scheduled = SpeculativeConfig(num_speculative_tokens=SPEC_K, enable_adaptive_verification=True,
+                                  verify_step_seconds=(1.0,) * (SPEC_K + 1))
+    engine, adaptive = _spec_run(model, scheduled)
     assert adaptive == plain
     assert engine.spec_counts.num_drafts > 0

@@ -305,6 +305,8 @@ def test_llm_reports_prefix_cache_metrics_and_cached_tokens(tmp_path):
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 512
     metrics = llm.get_metrics()
     assert metrics["vllm:prefix_cache_queries"] == 600 + 603 and metrics["vllm:prefix_cache_hits"] == 512
+    # vLLM's periodic stats line reports the hit rate (tokens found of tokens looked up)
+    assert llm.metrics.stats_line(0.0, 0.0).endswith(f"Prefix cache hit rate: {100 * 512 / 1203:.1f}%")
 
 
 def test_disk_tier_detects_a_corrupt_file_as_a_miss(tmp_path):

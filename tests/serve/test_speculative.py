@@ -75,10 +75,9 @@ def _requests():
 REFERENCE = {"top1": "greedy-0"}  # the plain run's request whose tokens a request must reproduce
 
 
-def _run(model, speculative, inject=None, requests=None, **engine_options):
+def _run(model, speculative, inject=None, requests=None):
     config, params, tokenizer = model
-    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, speculative=speculative,
-                                                               **engine_options))
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, speculative=speculative))
     for rid, prompt, sp in requests or _requests():
         engine.add_request(rid, prompt, sp)
     outputs = {}
@@ -191,8 +190,9 @@ def test_confidence_scheduled_verification_equals_plain_decoding(model, plain):
             engine.verify_schedule.width = lambda *a: widths.append(choose(*a)) or widths[-1]
 
     seconds = (1.0, 9.0, 9.0, 9.0, 9.0, 1.5)
-    speculative = SpeculativeConfig(num_speculative_tokens=K, enable_adaptive_verification=True)
-    engine, outputs = _run(model, speculative, record, verify_step_seconds=seconds)
+    speculative = SpeculativeConfig(num_speculative_tokens=K, enable_adaptive_verification=True,
+                                    verify_step_seconds=seconds)
+    engine, outputs = _run(model, speculative, record)
     assert engine.verify_schedule.step_seconds.tolist() == list(seconds)
     for rid, _, sp in _requests():
         if sp.temperature == 0 or rid in REFERENCE:
@@ -202,8 +202,6 @@ def test_confidence_scheduled_verification_equals_plain_decoding(model, plain):
     assert set(widths) == {0, K}, widths
     counts = engine.spec_counts
     assert 0 < counts.num_draft_tokens <= K * counts.num_drafts
-    with pytest.raises(ValueError, match="verify_step_seconds: a plain decode step's cost, then one per width"):
-        _run(model, speculative, verify_step_seconds=(1.0, 2.0))
 
 
 def test_oracle_drafts_are_accepted_exactly_as_far_as_they_are_right(model, plain):
@@ -238,6 +236,11 @@ def test_speculative_config_is_checked(model):
         SpeculativeConfig(confidence_temperatures=[1.0] * 4)
     assert SpeculativeConfig(num_speculative_tokens=2, confidence_temperatures=[1, 2.5]).confidence_temperatures \
         == (1.0, 2.5)
+    for bad in ((1.0, 2.0), [1.0] * 5 + [0.0], [1.0] * 5 + [float("inf")], "1.0"):
+        with pytest.raises(ValueError, match=r"verify_step_seconds: a plain decode step's cost, then one per width "
+                                             r"1 \.\. 5 \(6 positive numbers\)"):
+            SpeculativeConfig(enable_adaptive_verification=True, verify_step_seconds=bad)
+    assert SpeculativeConfig(num_speculative_tokens=1, verify_step_seconds=[1, 2]).verify_step_seconds == (1.0, 2.0)
     with pytest.raises(ValueError, match="confidence_temperatures: 6 given, one per position of the DSpark drafter's "
                                          "block of 5 at most"):
         LLMEngine(params, config, tokenizer, EngineConfig(

@@ -3,9 +3,13 @@
     python -m tests.sharding.speculative_worker COORDINATOR PROCESS_ID CHECKPOINT OUT.json
 
 Joins the two-process runtime (`jax.distributed`, four CPU devices each), builds an `LLM` on a
-dp=2,cp=2,tp=2 mesh over both processes with confidence-scheduled DSpark, generates `REQUESTS`
+dp=2,cp=2,tp=2 mesh over both processes with confidence-scheduled DSpark, generates `requests()`
 and writes what this process saw to OUT.json: the verify-step costs its schedule uses, the
-outputs (tokens, text, finish reason, logprobs) and the spec-decode counters."""
+outputs (tokens, text, finish reason, logprobs) and the spec-decode counters.
+
+Each process is given its own step-cost curve (`STEP_SECONDS`; as if each host had profiled its
+own): by process 0's every width pays, by process 1's none does, so a process that used its own
+would decode plainly while the other verifies, and their collectives would never meet."""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ PROMPTS = ("The capital of France is", "Once upon a time", "Answer in lower case
 REGEX = "[a-z]{2,8}( [a-z]{2,8}){2,3}"
 ENGINE = dict(max_num_seqs=4, max_model_len=256, page_size=64, prefill_chunk=128, log_stats_interval=None)
 SPECULATIVE = {"method": "dspark", "num_speculative_tokens": 2, "enable_adaptive_verification": True}
+# per process: a plain decode step's seconds, then a verify step's at 1 and 2 drafts per row
+STEP_SECONDS = ([0.125, 0.125, 0.125], [0.125, 8.0, 16.0])  # (exact in float32, as broadcast)
 
 
 def requests():
@@ -44,7 +50,8 @@ def main(coordinator: str, process_id: str, checkpoint: str, path: str) -> None:
     initialize(DistributedConfig(coordinator, 2, int(process_id)))
     from deepinfer import LLM
 
-    llm = LLM(checkpoint, mesh="dp=2,cp=2,tp=2", speculative_config=SPECULATIVE, **ENGINE)
+    speculative = dict(SPECULATIVE, verify_step_seconds=STEP_SECONDS[int(process_id)])
+    llm = LLM(checkpoint, mesh="dp=2,cp=2,tp=2", speculative_config=speculative, **ENGINE)
     prompts, params = zip(*requests())
     outputs = llm.generate(list(prompts), list(params), use_tqdm=False)
     counts = llm.engine.spec_counts

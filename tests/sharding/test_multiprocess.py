@@ -83,9 +83,10 @@ NEAR_TIE = 1e-3  # a greedy choice decided by less (log-probability) may go eith
 
 @pytest.mark.multiprocess
 def test_two_processes_speculate_with_one_step_cost_curve(checkpoint, tmp_path):
-    """Each process measures its own verify-step costs at start; unless they agree on one curve
-    they choose different verify widths and their collectives never meet. Both must use process
-    0's; the greedy outputs equal one-device plain decoding's (flip-aware: up to a near-tie of the
+    """Each process has its own verify-step costs (each measures them at start; here they are
+    given, and disagree: `speculative_worker.STEP_SECONDS`); unless they agree on one curve they
+    choose different verify widths and their collectives never meet. Both must use process 0's;
+    the greedy outputs equal one-device plain decoding's (flip-aware: up to a near-tie of the
     reference's top two), the constrained output matches its regex, and drafts were verified."""
     from deepinfer import LLM
 
@@ -108,7 +109,7 @@ def test_two_processes_speculate_with_one_step_cost_curve(checkpoint, tmp_path):
     for i, (_, err, code) in enumerate(results):
         assert code == 0, f"process {i} failed:\n{err[-3000:]}"
     seen = [json.loads(path.read_text()) for path in paths]
-    assert seen[0]["step_seconds"] == seen[1]["step_seconds"]
+    assert seen[0]["step_seconds"] == seen[1]["step_seconds"] == speculative_worker.STEP_SECONDS[0]
     assert seen[0] == seen[1]
     got = seen[0]
     assert got["num_drafts"] > 0 and "verify/check+masks" in got["kinds"], got
