@@ -1,7 +1,8 @@
 """The metrics an `LLM` keeps of its requests, under vLLM's names (`interfaces.md` §6): what the
 engine cannot count by itself (prompt tokens counted at a request's first token, finish reasons,
 per-request latency and size samples), the snapshot `LLM.get_metrics()` returns, and vLLM's
-periodic `LoggingStatLogger` line. Thread-safe: the gRPC server reads while a call steps."""
+periodic log lines (the `LoggingStatLogger` line and, with speculative decoding, the
+spec-decode line). `get_metrics()` may be called from another thread while a call steps."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Sequence
 
 from deepinfer.serve.api.types import RequestOutput
 
-__all__ = ["LLMMetrics"]
+__all__ = ["LLMMetrics", "spec_decode_line"]
 
 log = logging.getLogger("deepinfer.llm")
 
@@ -31,6 +32,7 @@ class LLMMetrics:
         self._success = {"stop": 0, "length": 0, "abort": 0}
         self._samples: dict[str, list[float]] = {name: [] for name in SAMPLES}
         self._last_log = (time.monotonic(), 0, 0)
+        self._last_spec = None  # the spec-decode counters at the last log line
 
     def finished(self, outputs: Sequence[RequestOutput]) -> None:
         """A step's outputs (its finished requests, or aborted ones) and the prompts that started."""
@@ -86,6 +88,16 @@ class LLMMetrics:
         span = max(elapsed, 1e-9)
         log.info("%s", self.stats_line((prompt - last_prompt) / span, (gen - last_gen) / span))
         self._last_log = (now, prompt, gen)
+        counts = self.engine.spec_counts
+        if counts is not None:
+            current = (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens,
+                       tuple(counts.accepted_per_pos))
+            before = self._last_spec or (0, 0, 0, (0,) * len(current[3]))
+            self._last_spec = current
+            drafts, draft_tokens, accepted = (c - b for c, b in zip(current[:3], before[:3]))
+            if drafts:  # (vLLM logs it only over intervals with verify steps too)
+                per_pos = [c - b for c, b in zip(current[3], before[3])]
+                log.info("%s", spec_decode_line(drafts, draft_tokens, accepted, per_pos, span))
 
     def _count_prompts(self, finished: Sequence[RequestOutput] = ()) -> None:
         """vLLM counts a request's prompt tokens once, when it produced its first token."""
@@ -114,3 +126,17 @@ class LLMMetrics:
             self._samples["vllm:request_queue_time_seconds"].append(m.time_in_queue)
         self._samples["vllm:request_prompt_tokens"].append(float(len(output.prompt_token_ids or ())))
         self._samples["vllm:request_generation_tokens"].append(float(sum(len(c.token_ids) for c in output.outputs)))
+
+
+def spec_decode_line(drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: Sequence[int],
+                     seconds: float) -> str:
+    """vLLM's spec-decode log line over an interval of `seconds` in which `drafts` verify rows
+    checked `draft_tokens` drafts and accepted `accepted` (`accepted_per_pos[j]`: rows that
+    accepted draft j). Mean acceptance length counts the token each row gains after its drafts."""
+    per_pos = ", ".join(f"{a / drafts:.3f}" for a in accepted_per_pos)
+    return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+            f"Accepted throughput: {accepted / seconds:.2f} tokens/s, "
+            f"Drafted throughput: {draft_tokens / seconds:.2f} tokens/s, "
+            f"Accepted: {accepted} tokens, Drafted: {draft_tokens} tokens, "
+            f"Per-position acceptance rate: {per_pos}, "
+            f"Avg Draft acceptance rate: {100.0 * accepted / max(draft_tokens, 1):.1f}%")

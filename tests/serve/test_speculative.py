@@ -9,6 +9,8 @@ short ones, with sampled requests, a request that asks for logprobs and one whos
 min_tokens ban make each verified position's distribution depend on the drafts before it."""
 
 import dataclasses
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -253,7 +255,7 @@ def test_speculative_config_is_checked(model):
         LLMEngine(no_drafter, config, tokenizer, EngineConfig(budget=BUDGET, speculative=SpeculativeConfig()))
 
 
-def test_llm_speculative_config(tmp_path):
+def test_llm_speculative_config(tmp_path, caplog):
     """`LLM(speculative_config=...)` (vLLM's dict) turns it on: the embedded model's drafter
     verifies drafts, the warm-up compiles the verify shapes (nothing compiles mid-stream) and
     the output is as long as asked; a bad key or value is refused by name."""
@@ -272,10 +274,21 @@ def test_llm_speculative_config(tmp_path):
     sts = tuple(trained_weights()["sts"]["temperatures"])
     assert load_calibration(llm.model_dir) == sts
     assert llm.engine.speculative == SpeculativeConfig(num_speculative_tokens=3, confidence_temperatures=sts)
-    out = llm.generate([[0, 101, 102, 103]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
-                       use_tqdm=False)
+    llm.log_stats_interval = 0  # log after every step: each verify step's spec-decode line
+    with caplog.at_level(logging.INFO, logger="deepinfer.llm"):
+        out = llm.generate([[0, 101, 102, 103]], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+                           use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 9
-    assert llm.engine.spec_counts.num_draft_tokens > 0
+    counts = llm.engine.spec_counts
+    assert counts.num_draft_tokens > 0
+    # vLLM's spec-decode log line per interval; over all of them, the counters
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("SpecDecoding metrics: ")]
+    assert len(lines) == counts.num_drafts  # (one request: one verify row per step)
+    fields = [dict(re.findall(r"(Accepted|Drafted): (\d+) tokens", line)) for line in lines]
+    assert sum(int(f["Accepted"]) for f in fields) == counts.num_accepted_tokens
+    assert sum(int(f["Drafted"]) for f in fields) == counts.num_draft_tokens
+    assert re.search(r"Mean acceptance length: \d\.\d\d, .* Per-position acceptance rate: [\d.]+, [\d.]+, [\d.]+, "
+                     r"Avg Draft acceptance rate: \d+\.\d%$", lines[0]), lines[0]
     # vLLM's spec-decode counters, in get_metrics and in the Prometheus exposition of run-batch
     m = llm.get_metrics()
     assert m["vllm:spec_decode_num_draft_tokens"] == llm.engine.spec_counts.num_draft_tokens
