@@ -10,9 +10,11 @@ once untimed (compilation; the varlen engines also profile their verify step per
 start) and then the same requests timed. Printed per run: output tok/s, per-user tok/s (output
 tokens / the request's own seconds from the batch start, averaged), tau (tokens a request gains
 per verify step: accepted drafts + 1), drafts verified per request and step, and the ratio to the
-first run listed (no speculation by default) in the same run. The varlen engine prints its
-profiled step-cost curve. `varlen` reads the drafter's confidences calibrated by the checkpoint's
-STS temperatures (the embedded model's own), `varlen-raw` uncalibrated.
+first run listed (no speculation by default) in the same run. The first varlen engine of a
+concurrency profiles the step-cost curve (printed) and the others of that concurrency reuse it
+(`"verify_step_seconds"`), so that varlen and varlen-raw differ in their confidences only.
+`varlen` reads the drafter's confidences calibrated by the checkpoint's STS temperatures (the
+embedded model's own), `varlen-raw` uncalibrated.
 """
 
 from __future__ import annotations
@@ -91,8 +93,10 @@ def main() -> None:
           f"{'vs no-spec':>10}")
     prompts_all = None
     for c in [int(x) for x in args.concurrency.split(",")]:
-        base = None
+        base = curve = None
         for name, spec in runs.items():
+            if curve is not None and spec is not None and spec.get("enable_adaptive_verification"):
+                spec = {**spec, "verify_step_seconds": curve}
             llm = LLM(max_num_seqs=c, max_model_len=args.input_len + args.output_len + 64, page_size=64,
                       speculative_config=spec, log_stats_interval=None)
             if prompts_all is None:
@@ -108,9 +112,10 @@ def main() -> None:
                 rows = counts.num_drafts - before[0]
                 tau = f"{1 + (counts.num_accepted_tokens - before[2]) / max(rows, 1):.2f}"
                 drafts = f"{(counts.num_draft_tokens - before[1]) / max(rows, 1):.2f}"
-            if llm.engine.verify_schedule is not None and c == 1:
-                print("     varlen step seconds by width:",
-                      " ".join(f"{s * 1e3:.1f}ms" for s in llm.engine.verify_schedule.step_seconds))
+            if llm.engine.verify_schedule is not None and curve is None:
+                curve = llm.engine.verify_schedule.step_seconds.tolist()
+                print(f"     step seconds (plain decode, then verify by width) at {c}:",
+                      " ".join(f"{s * 1e3:.1f}ms" for s in curve))
             print(f"{c:>4} {name:>10} {tok_s:>10.1f} {user:>10.2f} {tau:>5} {drafts:>11} {tok_s / base:>9.2f}x",
                   flush=True)
             del llm
