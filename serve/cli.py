@@ -66,7 +66,7 @@ from deepinfer.serve.engine_args import (  # noqa: F401  (CliError, EnvDefaults:
     select_accelerator_from,
 )
 
-__all__ = ["CliError", "EnvDefaults", "build_parser", "main"]
+__all__ = ["CliError", "EnvDefaults", "build_parser", "main", "speculation_lines"]
 
 PROG = "deepinfer"
 
@@ -310,6 +310,26 @@ def _describe_model(llm) -> str:
     return f"{llm.model_name} (checkpoint {llm.model_dir})"
 
 
+def speculation_lines(speculative, counts, step_seconds) -> list[str]:
+    """The `generate` summary of DSpark speculative decoding: the verification it ran
+    (`SpeculativeConfig`), what was accepted (`SpecDecodeCounts`) and, with confidence-scheduled
+    verification, the step-cost curve it used (`step_seconds`: a plain decode step's, then a
+    verify step's per width), in the form that pins it for the next run."""
+    k = speculative.num_speculative_tokens
+    how = (f"at most {k} drafts per verify step, confidence-scheduled" if speculative.enable_adaptive_verification
+           else f"{k} drafts per verify step")
+    rows = counts.num_drafts
+    accepted = (f"{rows} verify rows accepted {counts.num_accepted_tokens} of {counts.num_draft_tokens} drafts, "
+                f"mean acceptance length {1 + counts.num_accepted_tokens / rows:.2f}" if rows else "no drafts verified")
+    lines = [f"dspark  : {how}: {accepted}"]
+    if step_seconds is not None:
+        widths = " / ".join(f"{s * 1e3:.1f}" for s in step_seconds[1:])
+        pinned = ", ".join(f"{s:.6f}" for s in step_seconds)
+        lines.append(f"costs   : plain decode {step_seconds[0] * 1e3:.1f} ms, verify by drafts per row {widths} ms "
+                     f"(reuse with --speculative-config \"verify_step_seconds\": [{pinned}])")
+    return lines
+
+
 class _StderrHandler(logging.StreamHandler):
     """Log to whatever `sys.stderr` is at the time of the record."""
 
@@ -459,6 +479,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(completion.text)
         print(f"--- {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}"
               + (f", stop_reason={completion.stop_reason!r}" if completion.stop_reason is not None else ""))
+    engine = llm.engine
+    if engine.speculative is not None:
+        schedule = engine.verify_schedule
+        for line in speculation_lines(engine.speculative, engine.spec_counts,
+                                      None if schedule is None else schedule.step_seconds.tolist()):
+            print(line)
     # the warm-up compiled every step shape before the first step; the speed is the steps' own
     elapsed = max(elapsed - llm.warmup_seconds, 0.0)
     speed = n_gen / elapsed if elapsed > 0 else float("inf")

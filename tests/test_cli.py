@@ -293,6 +293,27 @@ def test_generate_prompts_and_chat_with_the_embedded_default(capsys, home, monke
     assert re.search(r"^--- content:\n(yes|no)\n--- \d+ tokens, finish_reason=stop$", out, re.M), out
 
 
+def test_generate_summarises_speculative_decoding():
+    """`generate` with --speculative-config prints what was verified and accepted and, with
+    confidence-scheduled verification, the step-cost curve in the form that pins it next time."""
+    from deepinfer.serve.cli import speculation_lines
+    from deepinfer.serve.engine.speculative import SpecDecodeCounts, SpeculativeConfig
+
+    counts = SpecDecodeCounts(2)
+    for drafts, accepted in ((2, 1), (2, 2), (1, 0)):
+        counts.record(drafts, accepted)
+    assert speculation_lines(SpeculativeConfig(num_speculative_tokens=2), counts, None) == [
+        "dspark  : 2 drafts per verify step: 3 verify rows accepted 3 of 5 drafts, mean acceptance length 2.00"]
+    adaptive = SpeculativeConfig(num_speculative_tokens=2, enable_adaptive_verification=True)
+    first, costs = speculation_lines(adaptive, SpecDecodeCounts(2), [0.0125, 0.025, 0.03])
+    assert first == "dspark  : at most 2 drafts per verify step, confidence-scheduled: no drafts verified"
+    assert costs == ('costs   : plain decode 12.5 ms, verify by drafts per row 25.0 / 30.0 ms (reuse with '
+                     '--speculative-config "verify_step_seconds": [0.012500, 0.025000, 0.030000])')
+    pinned = json.loads(costs.split('"verify_step_seconds": ')[1][:-1])
+    assert SpeculativeConfig.from_value({"num_speculative_tokens": 2, "enable_adaptive_verification": True,
+                                         "verify_step_seconds": pinned}).verify_step_seconds == (0.0125, 0.025, 0.03)
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "needles"),
     [
