@@ -121,9 +121,9 @@ def test_llm_on_cpu_generates_with_everything_on_the_cpu_backend(tmp_path):
 
 
 def test_llm_mesh_spec_is_laid_over_the_accelerator_devices():
-    from deepinfer.serve.api.llm import _resolve_mesh
+    from deepinfer.serve.api.llm_inputs import resolve_mesh
 
-    mesh = _resolve_mesh("dp=4,cp=2", select_accelerator("cpu"))
+    mesh = resolve_mesh("dp=4,cp=2", select_accelerator("cpu"))
     assert list(mesh.devices.flat) == jax.devices("cpu") and mesh.shape["cp"] == 2
 
 
