@@ -104,14 +104,14 @@ def main() -> None:
             prompts = prompts_all[:c]
             llm.generate(prompts, params, use_tqdm=False)  # compiles every shape these requests use
             counts = llm.engine.spec_counts
-            before = (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens) if counts else None
+            before = counts.snapshot() if counts else None
             tok_s, user = timed(llm, prompts, params)
             base = base or tok_s
             tau = drafts = "-"
             if counts:
-                rows = counts.num_drafts - before[0]
-                tau = f"{1 + (counts.num_accepted_tokens - before[2]) / max(rows, 1):.2f}"
-                drafts = f"{(counts.num_draft_tokens - before[1]) / max(rows, 1):.2f}"
+                timed_rows = counts.since(before)
+                tau = f"{timed_rows.mean_acceptance_length:.2f}"
+                drafts = f"{timed_rows.num_draft_tokens / max(timed_rows.num_drafts, 1):.2f}"
             if llm.engine.verify_schedule is not None and curve is None:
                 curve = llm.engine.verify_schedule.step_seconds.tolist()
                 print(f"     step seconds (plain decode, then verify by width) at {c}:",

@@ -320,7 +320,7 @@ def speculation_lines(speculative, counts, step_seconds) -> list[str]:
            else f"{k} drafts per verify step")
     rows = counts.num_drafts
     accepted = (f"{rows} verify rows accepted {counts.num_accepted_tokens} of {counts.num_draft_tokens} drafts, "
-                f"mean acceptance length {1 + counts.num_accepted_tokens / rows:.2f}" if rows else "no drafts verified")
+                f"mean acceptance length {counts.mean_acceptance_length:.2f}" if rows else "no drafts verified")
     lines = [f"dspark  : {how}: {accepted}"]
     if step_seconds is not None:
         widths = " / ".join(f"{s * 1e3:.1f}" for s in step_seconds[1:])
@@ -509,7 +509,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     _enable_info_logs()
     llm = _make_llm(args, log_stats_interval=args.log_stats_interval)
     from deepinfer.serve.api.batch import read_previous, run_batch
-    from deepinfer.sharding.distributed import is_primary
+    from deepinfer.sharding.distributed import barrier, is_primary
 
     previous = None
     if args.resume:
@@ -517,7 +517,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
             previous = read_previous(args.output_file)
         except (OSError, ValueError) as e:
             raise CliError(f"run-batch --resume: {e}") from None
-        _all_processes_arrive("run-batch --resume read")  # before process 0 rewrites the file
+        barrier("run-batch --resume read")  # every process has read it before process 0 rewrites it
     # every process of a multi-process run computes every result; only process 0 writes them
     output, port = (args.output_file, args.port) if is_primary() else (os.devnull, None)
     try:
@@ -529,13 +529,6 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     print(f"wrote {summary.total} result lines to {args.output_file} ({summary.succeeded} succeeded, "
           f"{summary.failed} failed{resumed}) in {_seconds(summary.elapsed_s)}", file=report)
     return 3 if args.fail_on_error and summary.failed else 0
-
-
-def _all_processes_arrive(name: str) -> None:
-    """A barrier across the processes of a multi-process run (nothing to wait for in one process)."""
-    from deepinfer.sharding.distributed import barrier
-
-    barrier(name)
 
 
 # ---- parser and entry point ----------------------------------------------------------------

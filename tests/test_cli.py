@@ -304,6 +304,12 @@ def test_generate_summarises_speculative_decoding():
         counts.record(drafts, accepted)
     assert speculation_lines(SpeculativeConfig(num_speculative_tokens=2), counts, None) == [
         "dspark  : 2 drafts per verify step: 3 verify rows accepted 3 of 5 drafts, mean acceptance length 2.00"]
+    before = counts.snapshot()
+    counts.record(2, 2)
+    recent = counts.since(before)  # (the interval of a periodic log line)
+    assert (recent.num_drafts, recent.num_draft_tokens, recent.num_accepted_tokens, recent.accepted_per_pos,
+            recent.mean_acceptance_length) == (1, 2, 2, [1, 1], 3.0)
+    assert before.accepted_per_pos == [2, 1]  # (a copy, not the live counters)
     adaptive = SpeculativeConfig(num_speculative_tokens=2, enable_adaptive_verification=True)
     first, costs = speculation_lines(adaptive, SpecDecodeCounts(2), [0.0125, 0.025, 0.03])
     assert first == "dspark  : at most 2 drafts per verify step, confidence-scheduled: no drafts verified"

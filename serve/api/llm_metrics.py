@@ -12,6 +12,7 @@ import time
 from typing import Any, Sequence
 
 from deepinfer.serve.api.types import RequestOutput
+from deepinfer.serve.engine.speculative import SpecDecodeCounts
 
 __all__ = ["LLMMetrics", "spec_decode_line"]
 
@@ -32,7 +33,7 @@ class LLMMetrics:
         self._success = {"stop": 0, "length": 0, "abort": 0}
         self._samples: dict[str, list[float]] = {name: [] for name in SAMPLES}
         self._last_log = (time.monotonic(), 0, 0)
-        self._last_spec = None  # the spec-decode counters at the last log line
+        self._last_spec: SpecDecodeCounts | None = None  # the spec-decode counters at the last log line
 
     def finished(self, outputs: Sequence[RequestOutput]) -> None:
         """A step's outputs (its finished requests, or aborted ones) and the prompts that started."""
@@ -90,14 +91,9 @@ class LLMMetrics:
         self._last_log = (now, prompt, gen)
         counts = self.engine.spec_counts
         if counts is not None:
-            current = (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted_tokens,
-                       tuple(counts.accepted_per_pos))
-            before = self._last_spec or (0, 0, 0, (0,) * len(current[3]))
-            self._last_spec = current
-            drafts, draft_tokens, accepted = (c - b for c, b in zip(current[:3], before[:3]))
-            if drafts:  # (vLLM logs it only over intervals with verify steps too)
-                per_pos = [c - b for c, b in zip(current[3], before[3])]
-                log.info("%s", spec_decode_line(drafts, draft_tokens, accepted, per_pos, span))
+            recent, self._last_spec = counts.since(self._last_spec), counts.snapshot()
+            if recent.num_drafts:  # (vLLM logs it only over intervals with verify steps too)
+                log.info("%s", spec_decode_line(recent, span))
 
     def _count_prompts(self, finished: Sequence[RequestOutput] = ()) -> None:
         """vLLM counts a request's prompt tokens once, when it produced its first token."""
@@ -128,15 +124,14 @@ class LLMMetrics:
         self._samples["vllm:request_generation_tokens"].append(float(sum(len(c.token_ids) for c in output.outputs)))
 
 
-def spec_decode_line(drafts: int, draft_tokens: int, accepted: int, accepted_per_pos: Sequence[int],
-                     seconds: float) -> str:
-    """vLLM's spec-decode log line over an interval of `seconds` in which `drafts` verify rows
-    checked `draft_tokens` drafts and accepted `accepted` (`accepted_per_pos[j]`: rows that
-    accepted draft j). Mean acceptance length counts the token each row gains after its drafts."""
-    per_pos = ", ".join(f"{a / drafts:.3f}" for a in accepted_per_pos)
-    return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+def spec_decode_line(counts: SpecDecodeCounts, seconds: float) -> str:
+    """vLLM's spec-decode log line for the verify rows of an interval of `seconds` (`counts`,
+    at least one row)."""
+    accepted, drafted = counts.num_accepted_tokens, counts.num_draft_tokens
+    per_pos = ", ".join(f"{a / counts.num_drafts:.3f}" for a in counts.accepted_per_pos)
+    return (f"SpecDecoding metrics: Mean acceptance length: {counts.mean_acceptance_length:.2f}, "
             f"Accepted throughput: {accepted / seconds:.2f} tokens/s, "
-            f"Drafted throughput: {draft_tokens / seconds:.2f} tokens/s, "
-            f"Accepted: {accepted} tokens, Drafted: {draft_tokens} tokens, "
+            f"Drafted throughput: {drafted / seconds:.2f} tokens/s, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
             f"Per-position acceptance rate: {per_pos}, "
-            f"Avg Draft acceptance rate: {100.0 * accepted / max(draft_tokens, 1):.1f}%")
+            f"Avg Draft acceptance rate: {100.0 * accepted / max(drafted, 1):.1f}%")

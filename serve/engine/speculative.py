@@ -181,6 +181,24 @@ class SpecDecodeCounts:
             for j in range(accepted):
                 self.accepted_per_pos[j] += 1
 
+    def since(self, before: SpecDecodeCounts | None) -> SpecDecodeCounts:
+        """The counts of the verify rows recorded after `before` (a `snapshot()`; None: all)."""
+        if before is None:
+            return self.snapshot()
+        return SpecDecodeCounts(self.block, self.num_drafts - before.num_drafts,
+                                self.num_draft_tokens - before.num_draft_tokens,
+                                self.num_accepted_tokens - before.num_accepted_tokens,
+                                [a - b for a, b in zip(self.accepted_per_pos, before.accepted_per_pos)])
+
+    def snapshot(self) -> SpecDecodeCounts:
+        return dataclasses.replace(self, accepted_per_pos=list(self.accepted_per_pos))
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verify row gains on average: its accepted drafts and the token after them
+        (vLLM's mean acceptance length); 0 before any row."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
     def metrics(self) -> dict:
         return {"vllm:spec_decode_num_drafts": self.num_drafts,
                 "vllm:spec_decode_num_draft_tokens": self.num_draft_tokens,
