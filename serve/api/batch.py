@@ -9,7 +9,7 @@ Input, one request per line::
 sampling fields) or `/v1/completions` (body: `prompt` as text or token ids, and the sampling
 fields). Sampling fields: OpenAI's `max_tokens` / `max_completion_tokens`, `temperature`,
 `top_p`, `stop`, `seed`, `logprobs` / `top_logprobs`, `presence_penalty`, `frequency_penalty`,
-`logit_bias`, `n` (only 1), plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
+`logit_bias`, `n` (one choice per sample), plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
 `skip_special_tokens`, `spaces_between_special_tokens`).
 
@@ -40,8 +40,8 @@ template and effort rules. Thinking is off unless the body asks for it (`thinkin
 `reasoning_effort` or `chat_template_kwargs.thinking`), as in vLLM's DeepSeek templates. The
 request's own sampling values are used as given (the library's forced thinking-mode temperature
 and top_p are not applied); `max_tokens` defaults to the library's value clamped to the context
-(`resolve_max_tokens`). `response_format` changes the prompt text but is not enforced by
-constrained decoding yet.
+(`resolve_max_tokens`). `response_format` and `tools` are enforced by constrained decoding
+(`LLM.chat_constraint`).
 
 With `prometheus_port`, the `LLM.get_metrics()` values are served at
 `http://0.0.0.0:PORT/metrics` under vLLM's names while the batch runs.
@@ -62,7 +62,7 @@ from deepinfer.serve.api.batch_lines import (CHAT_URL, COMPLETIONS_URL, Line, Li
                                              split_lines)
 from deepinfer.serve.api.batch_resume import PreviousOutput, read_previous, rewrite_kept
 from deepinfer.serve.api.llm import LLM, parse_chat_completion
-from deepinfer.serve.api.types import RequestOutput
+from deepinfer.serve.api.types import CompletionOutput, RequestOutput
 
 __all__ = ["CHAT_URL", "COMPLETIONS_URL", "BatchSummary", "PreviousOutput", "metrics_registry", "read_previous",
            "run_batch"]
@@ -84,8 +84,7 @@ class BatchSummary:
 # ---- response bodies -------------------------------------------------------------------------------
 
 
-def _chat_logprobs(llm: LLM, output: RequestOutput, k: int | None) -> dict | None:
-    completion = output.outputs[0]
+def _chat_logprobs(llm: LLM, completion: CompletionOutput, k: int | None) -> dict | None:
     if completion.logprobs is None:
         return None
     content = []
@@ -103,8 +102,7 @@ def _chat_logprobs(llm: LLM, output: RequestOutput, k: int | None) -> dict | Non
     return {"content": content}
 
 
-def _completion_logprobs(llm: LLM, output: RequestOutput, k: int | None) -> dict | None:
-    completion = output.outputs[0]
+def _completion_logprobs(llm: LLM, completion: CompletionOutput, k: int | None) -> dict | None:
     if completion.logprobs is None:
         return None
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
@@ -127,8 +125,9 @@ def _completion_logprobs(llm: LLM, output: RequestOutput, k: int | None) -> dict
 
 
 def _usage(output: RequestOutput, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage: the prompt once, the tokens of every choice."""
     prompt = len(output.prompt_token_ids or ())
-    completion = len(output.outputs[0].token_ids)
+    completion = sum(len(c.token_ids) for c in output.outputs)
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                              "total_tokens": prompt + completion}
     if reasoning_tokens is not None:
@@ -137,49 +136,48 @@ def _usage(output: RequestOutput, reasoning_tokens: int | None = None) -> dict:
 
 
 def _chat_body(llm: LLM, line: Line, output: RequestOutput) -> dict:
-    parsed = parse_chat_completion(llm.tokenizer, line.chat_prompt, output)
-    completion = output.outputs[0]
-    message: dict[str, Any] = {"role": "assistant",
-                               "content": parsed.content if (parsed.content or not parsed.tool_calls) else None}
-    if parsed.reasoning_content is not None:
-        message["reasoning_content"] = parsed.reasoning_content
-    if parsed.tool_calls:
-        message["tool_calls"] = parsed.tool_calls
-    finish = "tool_calls" if parsed.finish_reason == "tool_calls" else completion.finish_reason
-    reasoning = None
-    if line.chat_prompt.thinking:
-        details = (parsed.usage or {}).get("completion_tokens_details") or {}
-        reasoning = int(details.get("reasoning_tokens") or 0)
+    choices, reasoning = [], None
+    for completion in output.outputs:
+        parsed = parse_chat_completion(llm.tokenizer, line.chat_prompt, output, completion.index)
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": parsed.content if (parsed.content or not parsed.tool_calls) else None}
+        if parsed.reasoning_content is not None:
+            message["reasoning_content"] = parsed.reasoning_content
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        if line.chat_prompt.thinking:
+            details = (parsed.usage or {}).get("completion_tokens_details") or {}
+            reasoning = (reasoning or 0) + int(details.get("reasoning_tokens") or 0)
+        choices.append({
+            "index": completion.index,
+            "message": message,
+            "logprobs": _chat_logprobs(llm, completion, line.sampling.logprobs),
+            "finish_reason": "tool_calls" if parsed.finish_reason == "tool_calls" else completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        })
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": llm.model_name,
-        "choices": [{
-            "index": 0,
-            "message": message,
-            "logprobs": _chat_logprobs(llm, output, line.sampling.logprobs),
-            "finish_reason": finish,
-            "stop_reason": completion.stop_reason,
-        }],
+        "choices": choices,
         "usage": _usage(output, reasoning),
     }
 
 
 def _completion_body(llm: LLM, line: Line, output: RequestOutput) -> dict:
-    completion = output.outputs[0]
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": llm.model_name,
         "choices": [{
-            "index": 0,
+            "index": completion.index,
             "text": completion.text,
-            "logprobs": _completion_logprobs(llm, output, line.sampling.logprobs),
+            "logprobs": _completion_logprobs(llm, completion, line.sampling.logprobs),
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
-        }],
+        } for completion in output.outputs],
         "usage": _usage(output),
     }
 

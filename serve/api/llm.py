@@ -104,14 +104,15 @@ _KNOWN_ARGS = (
 # ---- helpers ----------------------------------------------------------------------------------
 
 
-def parse_chat_completion(tokenizer: Any, prompt: ChatPrompt, output: RequestOutput) -> ParsedChat:
-    """Parse a chat request's finished output into content / reasoning / tool calls.
+def parse_chat_completion(tokenizer: Any, prompt: ChatPrompt, output: RequestOutput, index: int = 0) -> ParsedChat:
+    """Parse completion `index` of a chat request's finished output into content / reasoning /
+    tool calls.
 
     Generation stopped on EOS, a stop token, a stop string or the length limit. A matched stop
     string is already cut from the engine's text, so the parser gets that text; otherwise it gets
     the token ids (a final stop token id left out; EOS is dropped by the parser itself).
     """
-    completion = output.outputs[0]
+    completion = output.outputs[index]
     ids = list(completion.token_ids)
     parser = ChatOutputParser(tokenizer, prompt)
     try:
@@ -424,11 +425,11 @@ class LLM:
         outputs = self._generate([(p.prompt, p.token_ids) for p in prompts], params, use_tqdm=use_tqdm,
                                  label="conversation")
         for prompt, output in zip(prompts, outputs):
-            parsed = parse_chat_completion(self.tokenizer, prompt, output)
-            completion = output.outputs[0]
-            completion.text = parsed.content
-            completion.reasoning_content = parsed.reasoning_content
-            completion.tool_calls = parsed.tool_calls
+            for index, completion in enumerate(output.outputs):
+                parsed = parse_chat_completion(self.tokenizer, prompt, output, index)
+                completion.text = parsed.content
+                completion.reasoning_content = parsed.reasoning_content
+                completion.tool_calls = parsed.tool_calls
         return outputs
 
     def chat_constraint(self, prompt: ChatPrompt, params: SamplingParams, where: str = "conversation") -> SamplingParams:

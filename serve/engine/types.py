@@ -165,7 +165,8 @@ class SamplingParams:
     """Sampling and stopping settings of one request (vLLM names and defaults).
 
     Basic sampling
-        n: number of samples per prompt. Only 1 is supported for now.
+        n: number of samples of the prompt, returned as the output's n completions (child i
+            samples with seed + i when a seed is given).
         temperature: 0 means greedy decoding; otherwise logits are divided by it.
         top_p: nucleus sampling mass, in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it (-1 is stored as 0).
@@ -238,8 +239,6 @@ class SamplingParams:
         _check_int("n", self.n)
         if self.n < 1:
             _fail("n", f"must be at least 1, got {self.n}")
-        if self.n != 1:
-            _fail("n", f"n={self.n}: n>1 is not supported yet; submit one request per sample")
         # basic sampling
         _check_number("temperature", self.temperature)
         if self.temperature < 0:

@@ -161,6 +161,9 @@ def sampling_params_from_proto(sp: pb.SamplingParams, request: pb.GenerateReques
         raise InvalidArgument("sampling_params.stream_interval", f"must be at least 1, got {sp.stream_interval}")
     if sp.n < 0:
         raise InvalidArgument("sampling_params.n", f"must be at least 1, got {sp.n}")
+    if sp.n > 1:  # (the engine and LLM take n > 1; this stream carries one completion)
+        raise InvalidArgument("sampling_params.n", f"n={sp.n}: this server returns one sample per request; "
+                              "send n requests (with seeds seed + i for vLLM's samples)")
     for tid in sp.stop_token_ids:
         if tid >= vocab_size:
             raise InvalidArgument("sampling_params.stop_token_ids",

@@ -41,7 +41,7 @@ def test_normalization():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("n", 0), ("n", 2), ("n", 1.5),
+        ("n", 0), ("n", -1), ("n", 1.5),
         ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"),
         ("top_p", 0.0), ("top_p", 1.01),
         ("top_k", -2), ("top_k", 2.5),
@@ -73,9 +73,10 @@ def test_min_tokens_above_max_tokens():
     assert SamplingParams(max_tokens=None, min_tokens=5).min_tokens == 5
 
 
-def test_n_greater_than_one_is_a_clear_error():
-    with pytest.raises(ValueError, match="n>1 is not supported yet"):
-        SamplingParams(n=4)
+def test_n_must_be_a_positive_int():
+    assert SamplingParams(n=4).n == 4  # (parallel sampling: tests/serve/test_parallel_sampling.py)
+    with pytest.raises(ValueError, match="^n: must be at least 1, got 0"):
+        SamplingParams(n=0)
 
 
 def test_from_dict_vllm_names_and_roundtrip():

@@ -51,7 +51,7 @@ def test_good_and_malformed_lines_keep_input_order(llm, tmp_path):
         json.dumps({"method": "POST", "url": CHAT, "body": {"messages": user}}),  # no custom_id
         line("chat-2", CHAT, {"messages": user, "max_completion_tokens": 2, "temperature": 0,
                               "frequency_penalty": 0.5, "n": 1}),
-        line("chat-n", CHAT, {"messages": user, "n": 2}),
+        line("chat-n", CHAT, {"messages": user, "n": 2, "max_tokens": 3, "seed": 5, "logprobs": True}),
         line("chat-unknown-field", CHAT, {"messages": user, "temprature": 0.5}),
         line("chat-long", CHAT, {"messages": [{"role": "user", "content": "word " * 700}], "max_tokens": 2}),
     ]
@@ -71,14 +71,14 @@ def test_good_and_malformed_lines_keep_input_order(llm, tmp_path):
             assert row["custom_id"] == custom_id
         assert row["id"] and row["response"]["request_id"]
         by_id[custom_id] = row
-    good = ["chat-1", "cmpl-1", "cmpl-ids", "chat-2"]
+    good = ["chat-1", "cmpl-1", "cmpl-ids", "chat-2", "chat-n"]
     assert summary.succeeded == len(good) and summary.failed == len(out) - len(good)
 
     for custom_id in good:
         row = by_id[custom_id]
         assert row["error"] is None and row["response"]["status_code"] == 200
         body = row["response"]["body"]
-        assert len(body["choices"]) == 1 and body["model"] == "tiny-v4.1-short"
+        assert len(body["choices"]) == (2 if custom_id == "chat-n" else 1) and body["model"] == "tiny-v4.1-short"
         usage = body["usage"]
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
 
@@ -91,6 +91,11 @@ def test_good_and_malformed_lines_keep_input_order(llm, tmp_path):
     assert len(choice["logprobs"]["content"]) == 3
     assert all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in choice["logprobs"]["content"])
     assert by_id["chat-2"]["response"]["body"]["usage"]["completion_tokens"] == 2
+    # n = 2: one choice per sample (index 0 and 1), each its own 3 tokens, the usage counts both
+    chat_n = by_id["chat-n"]["response"]["body"]
+    assert [c["index"] for c in chat_n["choices"]] == [0, 1]
+    assert [len(c["logprobs"]["content"]) for c in chat_n["choices"]] == [3, 3]
+    assert chat_n["usage"]["completion_tokens"] == 6
 
     cmpl = by_id["cmpl-1"]["response"]["body"]
     assert cmpl["object"] == "text_completion" and cmpl["usage"]["prompt_tokens"] == 6  # BOS + 5
@@ -111,7 +116,6 @@ def test_good_and_malformed_lines_keep_input_order(llm, tmp_path):
         "cmpl-long": ("line 6", "prompt", "context"),
         "chat-stream": ("line 7", "stream"),
         None: ("line 10", "custom_id"),
-        "chat-n": ("line 12", "n>1"),
         "chat-unknown-field": ("line 13", "temprature"),
         "chat-long": ("line 14", "context length"),
     }
