@@ -63,6 +63,7 @@ from deepinfer.serve.engine.engine_config import PREFILL_MODES, EngineConfig
 from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.page_store import params_fingerprint
 from deepinfer.serve.engine.parallel_sampling import SampleGroup
+from deepinfer.serve.engine.prompt_logprobs import chunk_targets, prompt_logprobs_of, scores_chunk
 from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
 from deepinfer.serve.engine.request import Request, Status
 from deepinfer.serve.engine.runner import ChunkWork, ModelRunner, PendingSamples, SplitStep, StepSampling, token_bucket
@@ -221,8 +222,12 @@ class LLMEngine:
         params.check_vocabulary(self.config.vocab_size)
         if params.cache_ttl_class is not None:  # a known class, even where nothing is cached
             (self.engine_config.prefix_cache or PrefixCacheConfig()).ttl(params.cache_ttl_class)
-        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs: at most {MAX_LOGPROBS} alternatives are supported, got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name}: at most {MAX_LOGPROBS} alternatives are supported, got {value}")
+        if params.prompt_logprobs is not None and self.runner.mesh_step is not None:
+            raise ValueError("prompt_logprobs: computed on one device for now (this engine runs on a mesh)")
         sampling_state.check_capacity(params, eos_token_id=self.config.eos_token_id,
                                       max_logit_bias=self.runner.max_logit_bias, max_bans=self.runner.max_bans)
         self.cache.check_admissible(len(ids), self.cache.layout.max_len)
@@ -288,7 +293,12 @@ class LLMEngine:
             return None
         request.status, request.finish_reason = Status.FINISHED, "abort"
         request.metrics.finished_time = time.time()
-        return request.to_output()
+        return self._output(request)
+
+    def _output(self, request: Request) -> RequestOutput:
+        output = request.to_output()
+        output.prompt_logprobs = prompt_logprobs_of(request, self._decode_one)
+        return output
 
     def draft(self, request_ids: list[str]) -> dict[str, dict[str, np.ndarray]]:
         """Greedy DSpark drafts for running requests from the drafter rings: the block after each
@@ -347,6 +357,7 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             request.floor = self.replay_floor(request)
+            request.prompt_scores = {}  # (recomputed from the start after a preemption)
         self.runner.reset([r.slot for r in plan.admitted])
         for request in plan.admitted:
             if request.slot is not None:  # (not preempted again while this step was planned)
@@ -402,6 +413,12 @@ class LLMEngine:
         sampled: list[_Sampled] = []
         for step in prefill_passes(plan.prefill, self.cache):
             decoder, group = step.decoder, step.chunks
+            scored = [(r, n) for r, n in group if scores_chunk(r)]
+            group = [(r, n) for r, n in group if not scores_chunk(r)]
+            for request, n in scored:
+                sampled += self._run_scored(request, n)
+            if not group:
+                continue
             work = [ChunkWork(r.slot, r.ids(r.computed, r.computed + n), r.computed, self._lookback(r, r.computed),
                               r.floor, r.write_floor) for r, n in group]
             emit = [r.computed + n == r.length for r, n in group]
@@ -434,6 +451,23 @@ class LLMEngine:
                 self.scheduler.publish(request)
                 sampled.append(self._sampled(request, out, i))
         return sampled, None
+
+    def _run_scored(self, request: Request, n: int) -> list[_Sampled]:
+        """Dispatch the next `n`-token prompt chunk of a request that asked for prompt logprobs
+        (`prompt_logprobs.py`); its sampled row when the chunk ends its input."""
+        start = request.computed
+        work = ChunkWork(request.slot, request.ids(start, start + n), start, self._lookback(request, start),
+                         request.floor, request.write_floor)
+        emit = start + n == request.length
+        samples, scores = self.runner.run_scored(
+            work, self.cache.page_table, tokens=token_bucket(n, GRANULE), targets=chunk_targets(request, start, n),
+            num_logprobs=request.params.prompt_logprobs,
+            sample=self._step_sampling([request]) if emit else None)
+        request.prompt_scores[start] = (n, scores)
+        self.stats["prompt_tokens"] += max(0, min(start + n, len(request.prompt_token_ids)) - start)
+        request.computed += n
+        self.scheduler.publish(request)
+        return [self._sampled(request, samples, 0)] if emit else []
 
     def _replay_tokens(self) -> int:
         prefix = self.engine_config.prefix_cache
@@ -468,7 +502,7 @@ class LLMEngine:
         for request in finished:
             self.scheduler.finish(request)
             request.metrics.finished_time = time.time()
-            outputs.append(request.to_output())
+            outputs.append(self._output(request))
             self.requests.pop(request.request_id, None)
         self._forget_in_flight(finished)
         self._clear_left_slots()
@@ -481,8 +515,9 @@ class LLMEngine:
 
     def replay_floor(self, request: Request) -> int:
         """Where the decoder layers start on `request`'s tokens, fixed when it is admitted: in
-        compact prefill the last `keep_tokens` of its sequence, else all of it."""
-        if self.engine_config.prefill_mode != "compact":
+        compact prefill the last `keep_tokens` of its sequence, else (and for prompt logprobs)
+        all of it."""
+        if self.engine_config.prefill_mode != "compact" or request.params.prompt_logprobs is not None:
             return 0
         return max(0, request.length - self.engine_config.keep_tokens)
 

@@ -28,7 +28,7 @@ from deepinfer.model.step import step_body
 from deepinfer.ops.batch_invariant import batch_invariant, compiler_options
 from deepinfer.pallas_kernels.registry import KernelConfig, platform_info
 from deepinfer.serve.engine.device_step import model_rows, sample_logits, sampler_rows, step_logits
-from deepinfer.serve.engine.sampler import Sampler
+from deepinfer.serve.engine.sampler import Sampler, prompt_logprobs
 from deepinfer.serve.engine.speculative import accept_drafts, propose_drafts, verify_target
 
 __all__ = ["StepPrograms", "engine_step", "forget_unused", "forward_step", "memory_maps", "release_unused",
@@ -43,7 +43,8 @@ class StepPrograms:
     (`speculative`): `propose(params, cache, state, batch, rows, drafts_in)` (the cache only
     read), `target(params, cache, batch, drafts_in, proposal)` (cache donated) then
     `accept(cache, state, batch, rows, drafts_in, proposal, verified, masks, head=)` (cache and
-    state donated). Every model program is keyed on its step's shapes alone; what the sampler is
+    state donated); `prompt_logprobs(logits, targets, num_logprobs=)` on a `forward` step's
+    all-position logits (vLLM's prompt logprobs). Every model program is keyed on its step's shapes alone; what the sampler is
     asked for (log-probabilities, masks) selects a small program of its own."""
 
     def __init__(self, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None):
@@ -53,6 +54,7 @@ class StepPrograms:
         self.forward = jit(partial(step_body, **bound), static_argnames=("all_logits", "decoder"),
                            donate_argnums=(1,))
         self.logits = jit(partial(step_logits, **bound), donate_argnums=(1,))
+        self.prompt_logprobs = jit(prompt_logprobs, static_argnames=("num_logprobs",))
         invariant = kernels is not None and kernels.batch_invariant
         self.propose = jit(partial(propose_drafts, **bound, coupled=invariant))
         self.target = jit(partial(verify_target, **bound), donate_argnums=(1,))

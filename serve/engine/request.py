@@ -55,6 +55,8 @@ class Request:
     confidence: Any = None
     # structured output: the request's grammar state (`serve.structured.RequestConstraint`), or None
     constraint: Any = None
+    # prompt logprobs: each scored chunk's (tokens, pending scores) by its start (`prompt_logprobs.py`)
+    prompt_scores: dict = field(default_factory=dict)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0

@@ -428,6 +428,39 @@ class ModelRunner:
         self._record(key, start, "" if decoder else " (encoder + decoder KV path)")
         return logits
 
+    def run_scored(self, work: ChunkWork, page_table: np.ndarray, *, tokens: int, targets: np.ndarray,
+                   num_logprobs: int, sample: StepSampling | None) -> tuple[PendingSamples | None, PendingSamples]:
+        """A prefill chunk of one request that asked for prompt logprobs (one device): the model
+        step with logits at every position (`forward`, all logits), their scores against the
+        next prompt tokens `targets [len(work.tokens)]` (`sampler.prompt_logprobs`) and, with
+        `sample` (the chunk ends the request's input), the sampler on its last position. Returns
+        the samples (None without `sample`) and the scores (`SampleOutput` fields `[1, tokens,
+        ...]`), both on their way to the host; only scores and samples leave the device."""
+        if self.mesh_step is not None:
+            raise ValueError("prompt_logprobs: runs on one device for now (not on a mesh)")
+        batch, row_of, _, n_pages = self._batch([work], page_table, 1, tokens)
+        padded = np.zeros((1, tokens), np.int32)
+        padded[0, :len(targets)] = targets
+        head = None if sample is None else Sampler(sample.num_logprobs)
+        key = step_key("prefill+prompt_logprobs", 1, tokens, n_pages, True, True, head)
+        start = time.perf_counter()
+        programs = self._programs
+        with jax.profiler.TraceAnnotation(key[0]):
+            batch = jax.tree.map(jnp.asarray, batch)
+            self.cache, logits, counts = programs.forward(self.params, self.cache, batch, all_logits=True,
+                                                          decoder=True)
+            scores = PendingSamples(self, programs.prompt_logprobs(logits, jnp.asarray(padded),
+                                                                   num_logprobs=num_logprobs), counts, row_of)
+            samples = None
+            if sample is not None:
+                rows = SampleRows(jnp.asarray(sample.emit, jnp.bool_), batch.positions.max(axis=1) + 1, None,
+                                  None if sample.allowed is None else jnp.asarray(sample.allowed_rows(row_of, 1)))
+                last = logits[jnp.arange(1), batch.last_index]
+                self.sampling, out = programs.sample_logits(last, self.sampling, batch.slots, rows, head=head)
+                samples = PendingSamples(self, out, np.zeros_like(self.expert_load), row_of)
+        self._record(key, start)
+        return samples, scores
+
     def _record(self, key: tuple, start: float, note: str = "") -> None:
         """Log the first run (the compilation) of a step shape."""
         if key not in self._compiled:

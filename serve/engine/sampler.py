@@ -268,6 +268,16 @@ def with_logprobs(raw: jax.Array, tokens: jax.Array, num_logprobs: int) -> Sampl
     return SampleOutput(tokens, token_logprobs, ranks, top_ids, top_logprobs)
 
 
+def prompt_logprobs(logits: jax.Array, targets: jax.Array, num_logprobs: int) -> SampleOutput:
+    """vLLM's prompt logprobs of a prefill chunk: at each position of `logits [B, T, V]` (the
+    model's raw logits there) the next prompt token `targets [B, T]` (any id where there is none)
+    with its raw log-probability and rank, and the `num_logprobs` most likely tokens; every
+    field `[B, T, ...]`."""
+    B, T, V = logits.shape
+    out = with_logprobs(logits.reshape(B * T, V), targets.reshape(B * T), num_logprobs)
+    return jax.tree.map(lambda a: a.reshape(B, T, *a.shape[1:]), out)
+
+
 # ---------------------------------------------------------------------------------- the step
 
 

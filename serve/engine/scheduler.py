@@ -210,8 +210,8 @@ class Scheduler:
 
     def _lookup(self, request: Request):
         """The prefix cache's answer for `request`'s full pages before its last token (which
-        must be computed to sample), None without a prefix cache."""
-        if self.cache.prefix is None:
+        must be computed to sample), None without a prefix cache or for prompt logprobs."""
+        if self.cache.prefix is None or request.params.prompt_logprobs is not None:  # (it scores every token)
             return None
         size = self.cache.layout.page_size
         return self.cache.find_prefix(request.ids(0, (request.length - 1) // size * size))
