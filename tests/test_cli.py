@@ -336,7 +336,6 @@ def test_generate_summarises_speculative_decoding():
         (["generate", "--prompt", "x", "--model", "/no/such/dir"], {}, ["/no/such/dir"]),
         (["generate", "--prompt", "x", "--prefill-chunk", "100"], {}, ["--prefill-chunk", "128"]),
         (["generate", "--prompt", "x", "--max-num-batched-tokens", "100"], {}, ["max_num_batched_tokens", "135"]),
-        (["generate", "--chat", "Hi", "--thinking", "--max-tokens", "1"], {}, ["<｜System｜>"]),
         (["run-batch", "-i", "/no/such/in.jsonl", "-o", "/tmp/out.jsonl"], {}, ["/no/such/in.jsonl"]),
         (["generate", "--prompt", "x", "--regex", "a", "--choice", "b"], {}, ["at most one of"]),
         (["generate", "--prompt", "x", "--json-schema", "/no/such/schema.json"], {},

@@ -24,14 +24,19 @@ encoding done with an HF tokenizer, used to cross-check the library and usable w
 it), the EOS cut in the parser, the translation of the library's chunk stream into
 accumulated fields, and the error types.
 
-V4.1 caveat (spec §1, §5): the V4.1 template emits `<｜System｜>`, which the bundled V4
-tokenizer.json lacks; encoding a V4.1 conversation with a system message or in thinking
-mode then raises `ChatEncodingError`. A V4.1 checkpoint's own tokenizer has the token.
+V4.1's system token (spec `chat-encoding.md` §1, §5): the V4.1 template emits `<｜System｜>`
+(system messages, the thinking-mode effort line, response formats, tools), which the bundled V4
+tokenizer.json lacks; a V4.1 checkpoint's own tokenizer has it. A V4.1 model that runs with a
+tokenizer without it (the tiny presets, which use the bundled one) spells it
+`STAND_IN_SYSTEM_TOKEN`, a reserved placeholder of the V4 vocabulary (id 128798), through the
+library's `SpecialTokens`: the vocabulary is untouched, and the token is logged once. A tokenizer
+with neither raises `ChatEncodingError`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
@@ -70,6 +75,12 @@ _MODEL_VERSIONS = {
     "deepseek_v4": dr.ModelVersion.DeepseekV4Pro,
     "deepseek_v41": dr.ModelVersion.DeepseekV41Flash,
 }
+
+# V4.1's <｜System｜> where the tokenizer lacks it: a reserved placeholder of the V4 vocabulary
+SYSTEM_TOKEN = "<｜System｜>"
+STAND_IN_SYSTEM_TOKEN = "<｜place▁holder▁no▁798｜>"
+_log = logging.getLogger("deepinfer.chat")
+_warned_stand_in: set[int] = set()
 
 FinishReason = Literal["stop", "length", "content_filter", "abort"]
 _BACKEND_FINISH = {
@@ -113,9 +124,22 @@ def chat_stop_token_ids(model_type: str) -> list[int]:
     return [EOS_TOKEN_ID]
 
 
-def _encoding(model_type: str):
+def _encoding(model_type: str, tokenizer: Any = None):
+    """The library's encoding of `model_type`; for V4.1 with a `tokenizer` that lacks
+    `<｜System｜>` but has the stand-in, one that spells the system token as the stand-in."""
     mv = model_version(model_type)
-    return dr.DeepseekV4Encoding() if mv == dr.ModelVersion.DeepseekV4Pro else dr.DeepseekV41Encoding()
+    if mv == dr.ModelVersion.DeepseekV4Pro:
+        return dr.DeepseekV4Encoding()
+    encoding = dr.DeepseekV41Encoding()
+    if tokenizer is None or not hasattr(tokenizer, "token_to_id") or tokenizer.token_to_id(SYSTEM_TOKEN) is not None \
+            or tokenizer.token_to_id(STAND_IN_SYSTEM_TOKEN) is None:
+        return encoding
+    if id(tokenizer) not in _warned_stand_in:
+        _warned_stand_in.add(id(tokenizer))
+        _log.info("the tokenizer has no %s (a V4.1 checkpoint's own tokenizer.json has it): the V4.1 template's "
+                  "system token is spelled %s (id %d), as the tiny presets are", SYSTEM_TOKEN, STAND_IN_SYSTEM_TOKEN,
+                  tokenizer.token_to_id(STAND_IN_SYSTEM_TOKEN))
+    return encoding.with_special_tokens(dr.SpecialTokens(system=STAND_IN_SYSTEM_TOKEN))
 
 
 # ---------------------------------------------------------------------------------- tokenizer
@@ -295,7 +319,7 @@ def prepare_chat(
     except ValueError as e:
         raise ChatRequestError(str(e)) from None
     conv = cr.conversation
-    enc = _encoding(mt).with_tokenizer(recipe_tokenizer(tokenizer))
+    enc = _encoding(mt, tokenizer).with_tokenizer(recipe_tokenizer(tokenizer))
     rendered = enc.render_conversation(conv)
     try:
         ids = list(enc.encode(conv))

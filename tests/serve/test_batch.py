@@ -180,9 +180,12 @@ def test_response_format_and_structured_outputs_lines(llm, tmp_path):
     # a schema with no room for whitespace (llguidance's JSON allows it between tokens, where a
     # random model may write it until max_tokens; the engine's tests use compact JSON)
     schema = {"anyOf": [{"enum": ["alpha", "beta"]}, {"type": "integer", "minimum": 0, "maximum": 99}]}
-    # (completions: a chat response_format renders a system block, which needs the V4.1 tokenizer's
-    # <｜System｜>; the bundled V4 tokenizer lacks it)
+    # (a chat response_format renders a system block: with the bundled V4 tokenizer its
+    # <｜System｜> is the stand-in placeholder, `serve.text.chat.STAND_IN_SYSTEM_TOKEN`)
     rows = [
+        line("chat-schema", CHAT, {"messages": [{"role": "user", "content": "A number?"}], "max_tokens": 60,
+                                   "temperature": 0, "response_format": {"type": "json_schema",
+                                                                         "json_schema": {"name": "n", "schema": schema}}}),
         line("schema", COMPLETIONS, {"prompt": "A city and its rank:", "max_tokens": 60, "temperature": 0,
                                      "response_format": {"type": "json_schema",
                                                          "json_schema": {"name": "city", "schema": schema}}}),
@@ -197,12 +200,14 @@ def test_response_format_and_structured_outputs_lines(llm, tmp_path):
     src.write_text("\n".join(rows) + "\n", encoding="utf-8")
     summary = run_batch(llm, src, dst, use_tqdm=False)
     by_id = {row["custom_id"]: row for row in read(dst)}
-    assert summary.succeeded == 3 and summary.failed == 2
+    assert summary.succeeded == 4 and summary.failed == 2
     answer = by_id["schema"]["response"]["body"]["choices"][0]
     assert answer["finish_reason"] == "stop"
     jsonschema.validate(json.loads(answer["text"]), schema)
+    message = by_id["chat-schema"]["response"]["body"]["choices"][0]["message"]
+    jsonschema.validate(json.loads(message["content"]), schema)
     assert by_id["choice"]["response"]["body"]["choices"][0]["text"] in ("happy", "sad")
     assert by_id["bad-schema"]["error"]["param"] == "response_format.json_schema"
     assert "strin" in by_id["bad-schema"]["error"]["message"]
     assert by_id["bad-regex"]["error"]["param"] == "structured_outputs"
-    assert "line 3: structured_outputs.regex: " in by_id["bad-regex"]["error"]["message"]
+    assert "line 4: structured_outputs.regex: " in by_id["bad-regex"]["error"]["message"]

@@ -490,9 +490,9 @@ def test_bitmask_unpacking_matches_llguidance():
 def test_tool_call_grammar_walks_parse_into_valid_tool_calls(model_type):
     """Random walks through the tool-call grammar (each step a random token its mask allows) are
     DeepSeek tool-call blocks that deepseek-recipe parses into OpenAI tool calls whose arguments
-    validate against the tools' schemas. (The embedded tiny-v4.1 cannot run a tools chat: the
-    V4.1 template needs <｜System｜>, which the bundled V4 tokenizer lacks; as in test_text.py the
-    tokenizer here is the V4 one plus that token.)"""
+    validate against the tools' schemas. (The tokenizer is the V4 one plus <｜System｜>, as a V4.1
+    checkpoint's own has it; with the bundled one the engine spells it as a reserved placeholder,
+    `serve.text.chat.STAND_IN_SYSTEM_TOKEN`.)"""
     import tokenizers
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 

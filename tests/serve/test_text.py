@@ -1,5 +1,6 @@
 """Detokenizer, stop strings and DeepSeek chat encoding/parsing, with the real V4 tokenizer."""
 
+import json
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from deepinfer.serve.text.chat import (
     ChatEncodingError,
     ChatOutputParser,
     ChatRequestError,
+    STAND_IN_SYSTEM_TOKEN,
     chat_stop_token_ids,
     encode_chat,
     encode_rendered,
@@ -342,9 +344,15 @@ def test_encode_rendered_matches_library(tok, tok41):
 
 def test_v41_encoding(tok, tok41):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    # the bundled V4 tokenizer lacks <｜System｜>
+    # the bundled V4 tokenizer lacks <｜System｜>: it is spelled as the reserved placeholder 798
+    ids = encode_chat(msgs, model_type="deepseek_v41", tokenizer=tok, thinking=True, reasoning_effort="low")
+    assert ids[:2] == [BOS, tok.token_to_id(STAND_IN_SYSTEM_TOKEN)] == [BOS, 128798]
+    # a tokenizer with neither is a clear error
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != STAND_IN_SYSTEM_TOKEN]
     with pytest.raises(ChatEncodingError, match="System"):
-        encode_chat(msgs, model_type="deepseek_v41", tokenizer=tok, thinking=True)
+        encode_chat(msgs, model_type="deepseek_v41", tokenizer=tokenizers.Tokenizer.from_str(json.dumps(spec)),
+                    thinking=True)
     p = prepare_chat(msgs, model_type="deepseek_v41", tokenizer=tok41, thinking=True, reasoning_effort="low")
     system_id = tok41.token_to_id("<｜System｜>")
     assert p.token_ids[:2] == [BOS, system_id] and p.token_ids[-1] == THINK
