@@ -209,6 +209,12 @@ class LLMEngine:
             self.abort(request_id)
             raise
 
+    def sample_ids(self, request_id: str) -> list[str]:
+        """The engine ids of `request_id`'s samples, by index: its children with `n > 1`, else
+        itself (for callers that stream each sample's tokens from `requests`)."""
+        group = self._groups.get(request_id)
+        return [request_id] if group is None else group.child_ids
+
     def _check_id_free(self, request_id: str) -> None:
         if request_id in self.requests or request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")

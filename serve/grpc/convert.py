@@ -161,9 +161,6 @@ def sampling_params_from_proto(sp: pb.SamplingParams, request: pb.GenerateReques
         raise InvalidArgument("sampling_params.stream_interval", f"must be at least 1, got {sp.stream_interval}")
     if sp.n < 0:
         raise InvalidArgument("sampling_params.n", f"must be at least 1, got {sp.n}")
-    if sp.n > 1:  # (the engine and LLM take n > 1; this stream carries one completion)
-        raise InvalidArgument("sampling_params.n", f"n={sp.n}: this server returns one sample per request; "
-                              "send n requests (with seeds seed + i for vLLM's samples)")
     for tid in sp.stop_token_ids:
         if tid >= vocab_size:
             raise InvalidArgument("sampling_params.stop_token_ids",
@@ -382,9 +379,10 @@ def logprobs_message(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[
 
 def chunk_message(request_id: str, token_ids: Sequence[int], text: str, *, prompt_tokens: int,
                   completion_tokens: int, logprobs: Sequence[dict[int, Logprob]] | None,
-                  n_top: int | None) -> pb.GenerateResponse:
+                  n_top: int | None, index: int = 0) -> pb.GenerateResponse:
+    """A `GenerateStreamChunk` of sample `index` (n > 1: SGLang's per-sample chunks)."""
     chunk = pb.GenerateStreamChunk(token_ids=[int(t) for t in token_ids], prompt_tokens=prompt_tokens,
-                                   completion_tokens=completion_tokens, cached_tokens=0, index=0, text=text)
+                                   completion_tokens=completion_tokens, cached_tokens=0, index=index, text=text)
     if logprobs is not None and n_top is not None:
         chunk.output_logprobs.CopyFrom(logprobs_message(logprobs, token_ids, n_top))
     return pb.GenerateResponse(request_id=request_id, chunk=chunk)
@@ -400,11 +398,12 @@ def reasoning_token_count(token_ids: Sequence[int], chat: Any) -> int:
     return ids.index(THINK_END_TOKEN_ID) + 1 if THINK_END_TOKEN_ID in ids else len(ids)
 
 
-def chat_output(tokenizer, chat: Any, output: RequestOutput) -> pb.ChatOutput:
-    """Parse a finished chat answer into content / reasoning / tool calls (DeepSeek encoding)."""
+def chat_output(tokenizer, chat: Any, output: RequestOutput, index: int = 0) -> pb.ChatOutput:
+    """Parse sample `index` of a finished chat answer into content / reasoning / tool calls
+    (DeepSeek encoding)."""
     from deepinfer.serve.text.chat import ChatOutputParser
 
-    completion = output.outputs[0]
+    completion = output.outputs[index]
     ids = list(completion.token_ids)
     parser = ChatOutputParser(tokenizer, chat)
     try:
@@ -427,9 +426,9 @@ def chat_output(tokenizer, chat: Any, output: RequestOutput) -> pb.ChatOutput:
 
 
 def complete_message(output: RequestOutput, *, eos_token_id: int, n_top: int | None, tokenizer=None,
-                     chat: Any = None) -> pb.GenerateResponse:
-    """The final `GenerateComplete` of a finished request."""
-    completion = output.outputs[0]
+                     chat: Any = None, index: int = 0) -> pb.GenerateResponse:
+    """The final `GenerateComplete` of sample `index` of a finished request (one per sample)."""
+    completion = output.outputs[index]
     ids = [int(t) for t in completion.token_ids]
     msg = pb.GenerateComplete(
         output_ids=ids,
@@ -437,7 +436,7 @@ def complete_message(output: RequestOutput, *, eos_token_id: int, n_top: int | N
         prompt_tokens=len(output.prompt_token_ids or ()),
         completion_tokens=len(ids),
         cached_tokens=int(output.num_cached_tokens or 0),
-        index=0,
+        index=index,
         text=completion.text,
         reasoning_tokens=reasoning_token_count(ids, chat),
     )
@@ -450,5 +449,5 @@ def complete_message(output: RequestOutput, *, eos_token_id: int, n_top: int | N
     if completion.logprobs is not None and n_top is not None:
         msg.output_logprobs.CopyFrom(logprobs_message(completion.logprobs, ids, n_top))
     if chat is not None and tokenizer is not None:
-        msg.chat.CopyFrom(chat_output(tokenizer, chat, output))
+        msg.chat.CopyFrom(chat_output(tokenizer, chat, output, index))
     return pb.GenerateResponse(request_id=output.request_id, complete=msg)

@@ -70,9 +70,10 @@ class LlmEngineServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generate one completion. With stream = true: zero or more chunks, then exactly one `complete`
-        (or one `error`). With stream = false: just the `complete` (or the `error`). Cancelling the
-        call aborts the request and frees its cache at once.
+        """Generate one completion (n > 1: one per sample, each message carrying its sample's index).
+        With stream = true: zero or more chunks, then exactly one `complete` per sample (or one
+        `error`). With stream = false: just the `complete`s (or the `error`). Cancelling the call
+        aborts the request and frees its cache at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

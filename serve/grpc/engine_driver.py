@@ -77,11 +77,15 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.monotonic)
-    # engine thread only
-    sent_tokens: int = 0
-    sent_text: int = 0
-    seen_tokens: int = 0
+    # engine thread only, per sample (n > 1: one of each per sample index)
+    sent_tokens: list[int] = field(default_factory=list)
+    sent_text: list[int] = field(default_factory=list)
+    seen_tokens: list[int] = field(default_factory=list)
     last_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        n = self.params.n
+        self.sent_tokens, self.sent_text, self.seen_tokens = [0] * n, [0] * n, [0] * n
 
 
 class EngineDriver:
@@ -274,9 +278,10 @@ class EngineDriver:
             self._post(stream, ("error", message))
         self._streams.clear()
 
-    def _count_tokens(self, stream: _Stream, n: int, now: float) -> None:
-        """Time-to-first-token and inter-token latency (per token, spread evenly over a step)."""
-        new = n - stream.seen_tokens
+    def _count_tokens(self, stream: _Stream, index: int, n: int, now: float) -> None:
+        """Time-to-first-token and inter-token latency (per token, spread evenly over a step) of
+        sample `index`, which has `n` tokens now."""
+        new = n - stream.seen_tokens[index]
         if new <= 0:
             return
         if stream.last_token_at is None:
@@ -284,7 +289,7 @@ class EngineDriver:
         else:
             ttft, itl = None, [(now - stream.last_token_at) / new] * new
         self._metrics.tokens(ttft=ttft, itl=itl)
-        stream.seen_tokens = n
+        stream.seen_tokens[index] = n
         stream.last_token_at = now
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
@@ -295,34 +300,41 @@ class EngineDriver:
                 self._final(stream, output, now)
         requests = self.engine.requests
         for rid, stream in self._streams.items():
-            request = requests.get(rid)
-            if request is None:
-                continue
-            n = len(request.output_ids)
-            self._count_tokens(stream, n, now)
-            if not stream.want_stream or n - stream.sent_tokens < stream.interval:
-                continue
-            ids = request.output_ids[stream.sent_tokens:n]
-            text = request.text[stream.sent_text:]
-            lps = request.logprobs[stream.sent_tokens:n] if request.logprobs is not None else None
-            stream.sent_tokens, stream.sent_text = n, len(request.text)
-            self._post(stream, ("chunk", ids, text, lps, n))
+            for index, sample_id in enumerate(self.engine.sample_ids(rid)):
+                request = requests.get(sample_id)
+                if request is None:  # (waiting for the others: its tokens come with the final)
+                    continue
+                n = len(request.output_ids)
+                self._count_tokens(stream, index, n, now)
+                sent = stream.sent_tokens[index]
+                if not stream.want_stream or n - sent < stream.interval:
+                    continue
+                ids = request.output_ids[sent:n]
+                text = request.text[stream.sent_text[index]:]
+                lps = request.logprobs[sent:n] if request.logprobs is not None else None
+                stream.sent_tokens[index], stream.sent_text[index] = n, len(request.text)
+                self._post(stream, ("chunk", ids, text, lps, n, index))
 
     def _final(self, stream: _Stream, output: RequestOutput, now: float) -> None:
-        completion = output.outputs[0]
-        n = len(completion.token_ids)
-        self._count_tokens(stream, n, now)
-        ids = list(completion.token_ids[stream.sent_tokens:])
-        text = completion.text[stream.sent_text:]
-        lps = completion.logprobs[stream.sent_tokens:] if completion.logprobs is not None else None
-        stream.sent_tokens, stream.sent_text = n, len(completion.text)
+        """Post the request's output with each sample's tokens not streamed yet:
+        `("final", output, [(index, ids, text, logprobs), ...])`."""
+        rest = []
+        for index, completion in enumerate(output.outputs):
+            n = len(completion.token_ids)
+            self._count_tokens(stream, index, n, now)
+            sent = stream.sent_tokens[index]
+            lps = completion.logprobs[sent:] if completion.logprobs is not None else None
+            rest.append((index, list(completion.token_ids[sent:]), completion.text[stream.sent_text[index]:], lps))
+            stream.sent_tokens[index], stream.sent_text[index] = n, len(completion.text)
         m = output.metrics
         queue_time = None
         if m is not None and m.first_scheduled_time is not None:
             queue_time = max(0.0, m.first_scheduled_time - m.arrival_time)
-        self._metrics.finished(completion.finish_reason or "abort", prompt_tokens=len(output.prompt_token_ids or ()),
-                               generation_tokens=n, e2e=now - stream.arrival, queue_time=queue_time)
-        self._post(stream, ("final", output, ids, text, lps))
+        self._metrics.finished(output.outputs[0].finish_reason or "abort",
+                               prompt_tokens=len(output.prompt_token_ids or ()),
+                               generation_tokens=sum(len(c.token_ids) for c in output.outputs),
+                               e2e=now - stream.arrival, queue_time=queue_time)
+        self._post(stream, ("final", output, rest))
 
     @staticmethod
     def _post(stream: _Stream, event: tuple) -> None:

@@ -483,20 +483,22 @@ class GrpcServer:
                 event = await stream.queue.get()
                 kind_ = event[0]
                 if kind_ == "chunk":
-                    _, ids, text, lps, n = event
+                    _, ids, text, lps, n, index = event
                     yield convert.chunk_message(rid, ids, text, prompt_tokens=len(prompt.token_ids),
-                                                completion_tokens=n, logprobs=lps, n_top=stream.n_top)
+                                                completion_tokens=n, logprobs=lps, n_top=stream.n_top, index=index)
                 elif kind_ == "final":
                     done = True
-                    _, output, ids, text, lps = event
-                    try:
-                        if stream.want_stream and (ids or text):
-                            n = len(output.outputs[0].token_ids)
-                            yield convert.chunk_message(rid, ids, text, prompt_tokens=len(prompt.token_ids),
-                                                        completion_tokens=n, logprobs=lps, n_top=stream.n_top)
-                        final = convert.complete_message(output, eos_token_id=engine.config.eos_token_id,
-                                                         n_top=stream.n_top, tokenizer=engine.tokenizer,
-                                                         chat=prompt.chat)
+                    _, output, rest = event
+                    try:  # each sample's last chunk (streaming), then one GenerateComplete per sample
+                        responses = [
+                            convert.chunk_message(rid, ids, text, prompt_tokens=len(prompt.token_ids),
+                                                  completion_tokens=len(output.outputs[index].token_ids),
+                                                  logprobs=lps, n_top=stream.n_top, index=index)
+                            for index, ids, text, lps in rest if stream.want_stream and (ids or text)]
+                        responses += [convert.complete_message(output, eos_token_id=engine.config.eos_token_id,
+                                                               n_top=stream.n_top, tokenizer=engine.tokenizer,
+                                                               chat=prompt.chat, index=index)
+                                      for index in range(len(output.outputs))]
                     except Exception as e:  # noqa: BLE001 - reported in-band
                         log.exception("building the completion of %s failed", rid)
                         self.metrics.error()
@@ -504,7 +506,8 @@ class GrpcServer:
                             message=f"building the completion failed: {type(e).__name__}: {e}",
                             http_status_code="500"))
                         return
-                    yield final
+                    for response in responses:
+                        yield response
                     return
                 elif kind_ == "rejected":
                     done = True

@@ -108,6 +108,29 @@ def test_streaming_generate_equals_the_engine(server, stub, reference, model):
     wait_released(server)
 
 
+def test_n_samples_stream_and_complete_by_index(server, stub, reference):
+    """n = 3 (SGLang's per-sample messages): each sample's chunks carry its index and add up to its
+    completion; one GenerateComplete per sample, in index order, equal to the engine's samples
+    (seed + i); without streaming just the completions."""
+    ids = prompt_ids(16, 5)
+    sampling = dict(temperature=0.9, seed=11, max_new_tokens=6, ignore_eos=True)
+    ref = reference(ids, SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=6, ignore_eos=True)).outputs
+    for stream in (True, False):
+        responses = list(stub.Generate(request(ids, stream=stream, n=3, **sampling), timeout=120.0))
+        kinds = [r.WhichOneof("response") for r in responses]
+        assert kinds == ["chunk"] * kinds.count("chunk") + ["complete"] * 3, kinds
+        completes = [r.complete for r in responses[-3:]]
+        assert [c.index for c in completes] == [0, 1, 2]
+        assert [list(c.output_ids) for c in completes] == [c.token_ids for c in ref]
+        assert [c.text for c in completes] == [c.text for c in ref]
+        chunks = [r.chunk for r in responses[:-3]]
+        assert (len(chunks) > 0) == stream
+        for i, completion in enumerate(ref):
+            mine = [c for c in chunks if c.index == i]
+            assert [t for c in mine for t in c.token_ids] == (completion.token_ids if stream else [])
+    wait_released(server)
+
+
 def test_constrained_generate(server, stub):
     """A choice and a regex constraint come back complete and valid (JSON Schemas: the engine's
     tests and `_bad_cases`)."""
@@ -347,7 +370,7 @@ def _bad_cases(vocab: int):
         ("min_p 3", sp(min_p=3.0), "sampling_params.min_p"),
         ("presence 9", sp(presence_penalty=9.0), "sampling_params.presence_penalty"),
         ("repetition -1", sp(repetition_penalty=-1.0), "sampling_params.repetition_penalty"),
-        ("n 2", sp(n=2), "sampling_params.n"),
+        ("n -1", sp(n=-1), "sampling_params.n"),
         ("min over max", sp(max_new_tokens=2, min_new_tokens=5), "sampling_params.min_new_tokens"),
         ("empty stop string", sp(stop=[""]), "sampling_params.stop"),
         ("stop id outside vocab", sp(stop_token_ids=[vocab + 5]), "sampling_params.stop_token_ids"),
