@@ -62,7 +62,7 @@ from deepinfer.serve.engine.cache import AdmissionError, CacheManager, make_layo
 from deepinfer.serve.engine.engine_config import PREFILL_MODES, EngineConfig
 from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.page_store import params_fingerprint
-from deepinfer.serve.engine.parallel_sampling import SampleGroup
+from deepinfer.serve.engine.parallel_sampling import SampleGroup, SampleGroups
 from deepinfer.serve.engine.prompt_logprobs import chunk_targets, prompt_logprobs_of, scores_chunk
 from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
 from deepinfer.serve.engine.request import Request, Status
@@ -136,9 +136,7 @@ class LLMEngine:
                                    max_num_batched_tokens=engine_config.max_num_batched_tokens,
                                    lookahead=self._lookahead, replay_tokens=self._replay_tokens())
         self.requests: dict[str, Request] = {}
-        # parallel sampling (n > 1): the groups by request id, and each child's group and index
-        self._groups: dict[str, SampleGroup] = {}
-        self._group_of: dict[str, tuple[SampleGroup, int]] = {}
+        self._samples = SampleGroups()  # parallel sampling (n > 1)
         self._order = itertools.count()
         self._seeds = np.random.default_rng(engine_config.seed)  # of requests without one
         self._sampling_slots: set[int] = set()  # slots whose sampling state a request wrote
@@ -193,17 +191,15 @@ class LLMEngine:
             self._add(request_id, prompt_token_ids, params, prompt)
             return
         self._check_id_free(request_id)
-        group = SampleGroup(request_id, params.n)
-        for cid in group.child_ids:
-            if cid in self.requests or cid in self._groups:
+        for cid in SampleGroup(request_id, params.n).child_ids:
+            if cid in self.requests or cid in self._samples:
                 raise ValueError(f"request_id {request_id!r}: {cid!r}, the id of one of its n={params.n} samples, "
                                  "is already in use")
         ids = [int(t) for t in prompt_token_ids]
         seed = params.seed if params.seed is not None else self._default_seed(ids)
-        self._groups[request_id] = group
+        group = self._samples.open(request_id, params.n)
         try:
             for i, cid in enumerate(group.child_ids):
-                self._group_of[cid] = (group, i)
                 self._add(cid, ids, SampleGroup.child_params(params, i, seed), prompt)
         except BaseException:
             self.abort(request_id)
@@ -212,11 +208,10 @@ class LLMEngine:
     def sample_ids(self, request_id: str) -> list[str]:
         """The engine ids of `request_id`'s samples, by index: its children with `n > 1`, else
         itself (for callers that stream each sample's tokens from `requests`)."""
-        group = self._groups.get(request_id)
-        return [request_id] if group is None else group.child_ids
+        return self._samples.sample_ids(request_id)
 
     def _check_id_free(self, request_id: str) -> None:
-        if request_id in self.requests or request_id in self._groups:
+        if request_id in self.requests or request_id in self._samples:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None) -> None:
@@ -272,13 +267,12 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a request (every sample of a parallel-sampling one): its output with what it
         generated, finish reason "abort"; None when it is unknown or already returned."""
-        group = self._groups.pop(request_id, None)
-        if group is None:
+        closed = self._samples.close(request_id)
+        if closed is None:
             return self._abort_one(request_id)
+        group, pending = closed
         ready = {o.request_id: o for o in self._ready}
-        for i, cid in enumerate(group.child_ids):
-            if self._group_of.pop(cid, None) is None:
-                continue  # finished and held by the group
+        for i, cid in pending:
             if cid in ready:  # finished by `sync()`, not returned yet
                 self._ready.remove(ready[cid])
                 group.finished[i] = ready[cid]
@@ -393,23 +387,7 @@ class LLMEngine:
                 self.runner.apply_expert_layout(*layout, self.balancer.max_replicas)
         self.stats["steps"] += 1
         outputs, self._ready = self._ready + self._complete(finished), []
-        return self._gather_samples(outputs) if self._group_of else outputs
-
-    def _gather_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """`outputs` with those of parallel samples held by their group until the last of its
-        samples finishes, then returned as one output under the request's id."""
-        gathered = []
-        for output in outputs:
-            entry = self._group_of.pop(output.request_id, None)
-            if entry is None:
-                gathered.append(output)
-                continue
-            group, index = entry
-            merged = group.add(index, output)
-            if merged is not None:
-                del self._groups[group.request_id]
-                gathered.append(merged)
-        return gathered
+        return self._samples.gather(outputs)
 
     def _dispatch(self, plan, split: bool = False, plain_decode: bool = True) -> tuple[list[_Sampled], SplitStep | None]:
         """Run the plan's prefill chunks and, with `plain_decode`, its decodes as a plain decode

@@ -16,7 +16,7 @@ import dataclasses
 
 from deepinfer.serve.engine.types import RequestMetrics, RequestOutput, SamplingParams
 
-__all__ = ["SampleGroup", "child_id"]
+__all__ = ["SampleGroup", "SampleGroups", "child_id"]
 
 
 def child_id(request_id: str, index: int) -> str:
@@ -55,6 +55,57 @@ class SampleGroup:
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, first.prompt_logprobs,
                              completions, all(o.finished for o in outputs), _merged_metrics(outputs),
                              first.num_cached_tokens)
+
+
+class SampleGroups:
+    """An engine's parallel-sampling requests: each group by its request id, each child's group
+    and index. The engine queues and aborts the children; this holds their outputs until a
+    group is complete."""
+
+    def __init__(self):
+        self._groups: dict[str, SampleGroup] = {}
+        self._group_of: dict[str, tuple[SampleGroup, int]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def open(self, request_id: str, n: int) -> SampleGroup:
+        group = SampleGroup(request_id, n)
+        self._groups[request_id] = group
+        for i, cid in enumerate(group.child_ids):
+            self._group_of[cid] = (group, i)
+        return group
+
+    def sample_ids(self, request_id: str) -> list[str]:
+        """The engine ids of `request_id`'s samples by index: its children, or itself."""
+        group = self._groups.get(request_id)
+        return [request_id] if group is None else group.child_ids
+
+    def close(self, request_id: str) -> tuple[SampleGroup, list[tuple[int, str]]] | None:
+        """Forget the group of `request_id` (an abort): the group and its samples not finished
+        yet, as (index, id), which the engine aborts into the group; None when it is no group."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        return group, [(i, cid) for i, cid in enumerate(group.child_ids) if self._group_of.pop(cid, None) is not None]
+
+    def gather(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """`outputs` with those of samples held by their group until its last sample finishes,
+        then returned as one output under the request's id."""
+        if not self._group_of:
+            return outputs
+        gathered = []
+        for output in outputs:
+            entry = self._group_of.pop(output.request_id, None)
+            if entry is None:
+                gathered.append(output)
+                continue
+            group, index = entry
+            merged = group.add(index, output)
+            if merged is not None:
+                del self._groups[group.request_id]
+                gathered.append(merged)
+        return gathered
 
 
 def _merged_metrics(outputs: list[RequestOutput]) -> RequestMetrics | None:
