@@ -50,7 +50,7 @@ WRONG = {
     "presence_penalty": ["x", 3, -3, math.nan],
     "frequency_penalty": ["x", 2.5, math.nan],
     "logit_bias": ["x", [], {"abc": 1}, {"5": "x"}, {"-1": 1}, {"5": math.nan}],
-    "n": [2, "1", 0, 1.5],
+    "n": [-1, "1", 0, 1.5],
     "top_k": ["x", 1.5, -2],
     "min_p": ["x", 2, -0.1],
     "repetition_penalty": [0, "x", -1],
