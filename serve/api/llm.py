@@ -80,9 +80,9 @@ from deepinfer.serve.engine.verify_schedule import load_calibration
 from deepinfer.serve.engine.warmup import StepShape, WarmupReport, pending_shapes, warm_up
 from deepinfer.serve.text.chat import (
     ChatEncodingError,
-    ChatOutputParser,
     ChatPrompt,
     ParsedChat,
+    parse_completion,
     prepare_chat,
 )
 
@@ -106,28 +106,8 @@ _KNOWN_ARGS = (
 
 def parse_chat_completion(tokenizer: Any, prompt: ChatPrompt, output: RequestOutput, index: int = 0) -> ParsedChat:
     """Parse completion `index` of a chat request's finished output into content / reasoning /
-    tool calls.
-
-    Generation stopped on EOS, a stop token, a stop string or the length limit. A matched stop
-    string is already cut from the engine's text, so the parser gets that text; otherwise it gets
-    the token ids (a final stop token id left out; EOS is dropped by the parser itself).
-    """
-    completion = output.outputs[index]
-    ids = list(completion.token_ids)
-    parser = ChatOutputParser(tokenizer, prompt)
-    try:
-        if completion.finish_reason == "stop" and isinstance(completion.stop_reason, str):
-            parser.push_text(completion.text, len(ids))
-        else:
-            if completion.finish_reason == "stop" and isinstance(completion.stop_reason, int) and ids \
-                    and ids[-1] == completion.stop_reason:
-                ids = ids[:-1]
-            parser.push(ids)
-        reason = completion.finish_reason if completion.finish_reason in ("length", "abort") else "stop"
-        parser.finish(reason)
-        return parser.result()
-    finally:
-        parser.close()
+    tool calls (`serve.text.chat.parse_completion`)."""
+    return parse_completion(tokenizer, prompt, output.outputs[index])
 
 
 @dataclass

@@ -56,13 +56,13 @@ import numpy as np
 from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import has_drafter
 from deepinfer.pallas_kernels.registry import KernelConfig
-from deepinfer.serve.engine.types import MAX_LOGPROBS, Logprob, RequestOutput, SamplingParams
+from deepinfer.serve.engine.types import MAX_LOGPROBS, RequestOutput, SamplingParams, logprob_entry
 from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.cache import AdmissionError, CacheManager, make_layout
 from deepinfer.serve.engine.engine_config import PREFILL_MODES, EngineConfig
 from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.page_store import params_fingerprint
-from deepinfer.serve.engine.parallel_sampling import SampleGroup, SampleGroups
+from deepinfer.serve.engine.parallel_sampling import SampleGroup, SampleGroups, child_ids
 from deepinfer.serve.engine.prompt_logprobs import chunk_targets, prompt_logprobs_of, scores_chunk
 from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
 from deepinfer.serve.engine.request import Request, Status
@@ -191,7 +191,7 @@ class LLMEngine:
             self._add(request_id, prompt_token_ids, params, prompt)
             return
         self._check_id_free(request_id)
-        for cid in SampleGroup(request_id, params.n).child_ids:
+        for cid in child_ids(request_id, params.n):
             if cid in self.requests or cid in self._samples:
                 raise ValueError(f"request_id {request_id!r}: {cid!r}, the id of one of its n={params.n} samples, "
                                  "is already in use")
@@ -608,11 +608,8 @@ class LLMEngine:
             request.status = Status.FINISHED
             return True
         if request.logprobs is not None:
-            entry = {token: Logprob(float(out.logprobs), int(out.ranks), self._decode_one(token))}
-            for j in range(request.params.logprobs):
-                alt = int(out.top_ids[j])
-                entry.setdefault(alt, Logprob(float(out.top_logprobs[j]), j + 1, self._decode_one(alt)))
-            request.logprobs.append(entry)
+            request.logprobs.append(logprob_entry(token, out.logprobs, out.ranks, out.top_ids, out.top_logprobs,
+                                                  request.params.logprobs, self._decode_one))
             request.cumulative_logprob += float(out.logprobs)
         if request.check_stop(token, self.config.eos_token_id, self.cache.layout.max_len):
             request.status = Status.FINISHED

@@ -16,12 +16,16 @@ import dataclasses
 
 from deepinfer.serve.engine.types import RequestMetrics, RequestOutput, SamplingParams
 
-__all__ = ["SampleGroup", "SampleGroups", "child_id"]
+__all__ = ["SampleGroup", "SampleGroups", "child_id", "child_ids"]
 
 
 def child_id(request_id: str, index: int) -> str:
     """The engine id of sample `index` of `request_id` (vLLM's form)."""
     return f"{index}_{request_id}"
+
+
+def child_ids(request_id: str, n: int) -> list[str]:
+    return [child_id(request_id, i) for i in range(n)]
 
 
 @dataclasses.dataclass
@@ -34,7 +38,7 @@ class SampleGroup:
 
     @property
     def child_ids(self) -> list[str]:
-        return [child_id(self.request_id, i) for i in range(self.n)]
+        return child_ids(self.request_id, self.n)
 
     @staticmethod
     def child_params(params: SamplingParams, index: int, seed: int) -> SamplingParams:

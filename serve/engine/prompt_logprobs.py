@@ -4,7 +4,7 @@ there.
 
 A request that asks computes its whole prompt with full fidelity and without the prefix cache:
 its replay floor is 0 (compact prefill would skip the decoder layers below it) and it reads no
-cached page (vLLM skips the cache for such requests too; its own pages are still published). Each
+cached page (vLLM's default `skip_reading_prefix_cache` for them; its own pages are still published). Each
 of its prompt chunks runs as a one-row step that keeps the logits at every position on the device
 (`ModelRunner.run_scored`); only the scores come back. Those step shapes are compiled when first
 used, not by the warm-up.
@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from deepinfer.serve.engine.request import Request
-from deepinfer.serve.engine.types import Logprob
+from deepinfer.serve.engine.types import Logprob, logprob_entry
 
 __all__ = ["chunk_targets", "prompt_logprobs_of", "scores_chunk"]
 
@@ -57,11 +57,8 @@ def prompt_logprobs_of(request: Request, decode_one: Callable[[int], str | None]
             position = start + i + 1  # the token this row predicts
             if position >= len(prompt):
                 break
-            token = prompt[position]
-            entry = {token: Logprob(float(scores.logprobs[0, i]), int(scores.ranks[0, i]), decode_one(token))}
-            for j in range(k):
-                alt = int(scores.top_ids[0, i, j])
-                entry.setdefault(alt, Logprob(float(scores.top_logprobs[0, i, j]), j + 1, decode_one(alt)))
-            entries[position] = entry
+            top = (None, None) if k == 0 else (scores.top_ids[0, i], scores.top_logprobs[0, i])
+            entries[position] = logprob_entry(prompt[position], scores.logprobs[0, i], scores.ranks[0, i], *top, k,
+                                              decode_one)
         covered = max(covered, start + n + 1)
     return entries if covered >= len(prompt) else None

@@ -457,6 +457,7 @@ class ModelRunner:
                                   None if sample.allowed is None else jnp.asarray(sample.allowed_rows(row_of, 1)))
                 last = logits[jnp.arange(1), batch.last_index]
                 self.sampling, out = programs.sample_logits(last, self.sampling, batch.slots, rows, head=head)
+                # (the step's expert counts come with the scores: none here, so they count once)
                 samples = PendingSamples(self, out, np.zeros_like(self.expert_load), row_of)
         self._record(key, start)
         return samples, scores

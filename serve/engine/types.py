@@ -34,6 +34,7 @@ __all__ = [
     "FinishReason",
     "Logprob",
     "RequestMetrics",
+    "logprob_entry",
     "RequestOutput",
     "SamplingParams",
 ]
@@ -428,6 +429,18 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+def logprob_entry(token: int, logprob: float, rank: int, top_ids, top_logprobs, k: int,
+                  decode) -> dict[int, Logprob]:
+    """One position's vLLM logprobs: `token` with its logprob and rank, then the `k` likeliest
+    (`top_ids` / `top_logprobs`, best first, ranks 1..k; the token keeps its own entry);
+    `decode(id)` gives each one's text."""
+    entry = {token: Logprob(float(logprob), int(rank), decode(token))}
+    for j in range(k):
+        alt = int(top_ids[j])
+        entry.setdefault(alt, Logprob(float(top_logprobs[j]), j + 1, decode(alt)))
+    return entry
 
 
 @dataclass

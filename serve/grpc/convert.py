@@ -400,24 +400,10 @@ def reasoning_token_count(token_ids: Sequence[int], chat: Any) -> int:
 
 def chat_output(tokenizer, chat: Any, output: RequestOutput, index: int = 0) -> pb.ChatOutput:
     """Parse sample `index` of a finished chat answer into content / reasoning / tool calls
-    (DeepSeek encoding)."""
-    from deepinfer.serve.text.chat import ChatOutputParser
+    (DeepSeek encoding: `serve.text.chat.parse_completion`)."""
+    from deepinfer.serve.text.chat import parse_completion
 
-    completion = output.outputs[index]
-    ids = list(completion.token_ids)
-    parser = ChatOutputParser(tokenizer, chat)
-    try:
-        if completion.finish_reason == "stop" and isinstance(completion.stop_reason, str):
-            parser.push_text(completion.text, len(ids))  # a stop string already cut the text
-        else:
-            if (completion.finish_reason == "stop" and isinstance(completion.stop_reason, int) and ids
-                    and ids[-1] == completion.stop_reason):
-                ids = ids[:-1]
-            parser.push(ids)
-        parser.finish(completion.finish_reason if completion.finish_reason in ("length", "abort") else "stop")
-        parsed = parser.result()
-    finally:
-        parser.close()
+    parsed = parse_completion(tokenizer, chat, output.outputs[index])
     msg = pb.ChatOutput(content=parsed.content or "",
                         tool_calls_json=json.dumps(parsed.tool_calls) if parsed.tool_calls else "")
     if parsed.reasoning_content is not None:

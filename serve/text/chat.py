@@ -60,6 +60,7 @@ __all__ = [
     "encode_rendered",
     "model_version",
     "parse_chat_output",
+    "parse_completion",
     "prepare_chat",
     "recipe_tokenizer",
 ]
@@ -579,6 +580,30 @@ class ChatOutputParser:
             call["function"]["name"] += fn["name"]
         if fn.get("arguments"):
             call["function"]["arguments"] += fn["arguments"]
+
+
+def parse_completion(tokenizer: Any, prompt: ChatPrompt, completion: Any) -> ParsedChat:
+    """Parse an engine's finished completion (`token_ids`, `text`, `finish_reason`,
+    `stop_reason`) of a chat request into content / reasoning / tool calls.
+
+    Generation stopped on EOS, a stop token, a stop string or the length limit. A matched stop
+    string is already cut from the engine's text, so the parser gets that text; otherwise it gets
+    the token ids (a final stop token id left out; EOS is dropped by the parser itself).
+    """
+    ids = list(completion.token_ids)
+    parser = ChatOutputParser(tokenizer, prompt)
+    try:
+        if completion.finish_reason == "stop" and isinstance(completion.stop_reason, str):
+            parser.push_text(completion.text, len(ids))
+        else:
+            if completion.finish_reason == "stop" and isinstance(completion.stop_reason, int) and ids \
+                    and ids[-1] == completion.stop_reason:
+                ids = ids[:-1]
+            parser.push(ids)
+        parser.finish(completion.finish_reason if completion.finish_reason in ("length", "abort") else "stop")
+        return parser.result()
+    finally:
+        parser.close()
 
 
 def parse_chat_output(
