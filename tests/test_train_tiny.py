@@ -125,13 +125,21 @@ def test_dspark_terms_match_explicit_full_vocabulary_distributions():
     np.testing.assert_allclose(np.asarray(got["accept"]), 1 - tv, rtol=1e-5)
 
 
-@pytest.mark.slow
-def test_drafter_phase_loss_falls_on_the_frozen_target(whole):
+@pytest.fixture(scope="module")
+def drafted(whole) -> dict:
+    """Five drafter-phase steps on the frozen target of `whole`, written beside it (the run that
+    `scripts/ship_tiny.py` packs): the result, the run, and the target's params before it."""
     run = dataclasses.replace(_run(whole["out"], pathlib.Path(whole["setup"]["meta"]["key"]["root"])),
                               phase="drafter", steps=5, anchors=4, warmup=1)
     before = jax.tree.map(np.asarray, whole["state"]["params"])
     result = train_drafter.train_drafter(run, progress=False,
                                          target_setup=(whole["setup"], whole["state"]["params"]))
+    return {"result": result, "run": run, "before": before}
+
+
+@pytest.mark.slow
+def test_drafter_phase_loss_falls_on_the_frozen_target(whole, drafted):
+    run, before, result = drafted["run"], drafted["before"], drafted["result"]
     losses = result["losses"]
     assert len(losses) == 5 and all(np.isfinite(losses))
     assert np.mean(losses[-2:]) < losses[0], losses
@@ -147,9 +155,9 @@ def test_drafter_phase_loss_falls_on_the_frozen_target(whole):
     assert json.loads((whole["out"] / "sts.json").read_text()) == fitted
 
 
-def test_ship_packs_the_run_and_the_pack_rebuilds_its_checkpoint(whole, tmp_path):
-    """`scripts/ship_tiny.py`: the pack of the finished run (target, and the drafter of the test
-    above) rebuilds the checkpoint `write_checkpoint` makes of the exported params, bit for bit."""
+def test_ship_packs_the_run_and_the_pack_rebuilds_its_checkpoint(whole, drafted, tmp_path):
+    """`scripts/ship_tiny.py`: the pack of the finished run (target, and the drafter of `drafted`)
+    rebuilds the checkpoint `write_checkpoint` makes of the exported params, bit for bit."""
     import ship_tiny
 
     from deepinfer.model.checkpoint import write_checkpoint
@@ -158,7 +166,7 @@ def test_ship_packs_the_run_and_the_pack_rebuilds_its_checkpoint(whole, tmp_path
 
     corpus = pathlib.Path(whole["setup"]["meta"]["key"]["root"])
     run = _run(whole["out"], corpus, eval_every=3)
-    drun = dataclasses.replace(run, phase="drafter", steps=5, anchors=4, warmup=1)  # the drafter test's
+    drun = drafted["run"]
     (whole["out"] / "run.json").write_text(json.dumps(dataclasses.asdict(run)))  # (what main() writes)
     (whole["out"] / "run-drafter.json").write_text(json.dumps(dataclasses.asdict(drun)))
     info = ship_tiny.main(["--out", str(whole["out"]), "--dest", str(tmp_path / "weights"), "--name", "t"])
