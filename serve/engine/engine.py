@@ -124,7 +124,8 @@ class LLMEngine:
         self.runner = ModelRunner(params, config, layout, engine_config.kernels, mesh=mesh,
                                   keep_logical_experts=engine_config.eplb_interval is not None,
                                   max_logit_bias=engine_config.max_logit_bias,
-                                  max_bans=engine_config.max_stop_token_ids + 1)
+                                  max_bans=engine_config.max_stop_token_ids + 1,
+                                  min_page_tokens=engine_config.min_page_bucket_tokens)
         self.cache.connect(self.runner)
         self.balancer = None
         if engine_config.eplb_interval is not None:

@@ -24,6 +24,10 @@ class EngineConfig:
     # tokens per step and dp rank (vLLM's name): decodes plus prefill chunks of several prompts,
     # and the prefill step's padded rows x tokens; a burst of requests is admitted in a few steps
     max_num_batched_tokens: int = 2048
+    # the narrowest page table a step reads covers this many tokens: the steps of shorter
+    # sequences read it (padding pages are skipped), so they compile one program fewer per
+    # doubling (`runner.page_bucket`)
+    min_page_bucket_tokens: int = 2048
     seed: int = 0
     kernels: KernelConfig | None = None
     # "compact" (DeepInfer's default): decoder layers run only on each prompt's last
@@ -66,6 +70,8 @@ class EngineConfig:
         if self.max_num_batched_tokens < GRANULE:
             raise ValueError(f"max_num_batched_tokens must be at least {GRANULE} (one prefill chunk), "
                              f"got {self.max_num_batched_tokens}")
+        if self.min_page_bucket_tokens < 1:
+            raise ValueError(f"min_page_bucket_tokens must be positive, got {self.min_page_bucket_tokens}")
         if self.keep_tokens < 1:
             raise ValueError(f"keep_tokens must be positive, got {self.keep_tokens}")
         if self.eplb_interval is not None and self.eplb_interval < 1:

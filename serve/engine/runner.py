@@ -182,10 +182,23 @@ def row_bucket(n: int, slots_per_rank: int) -> int:
     return min(1 << (n - 1).bit_length(), slots_per_rank)
 
 
-def page_bucket(layout: CacheLayout, longest: int) -> int:
+# The narrowest page table a step reads covers this many tokens by default: below it a narrower
+# table saves little reading (a decode step reads the pages' indexer keys and its selected
+# entries) but costs a program of its own, compiled at warm-up or in the middle of a stream.
+MIN_PAGE_BUCKET_TOKENS = 2048
+
+
+def page_bucket(layout: CacheLayout, longest: int, min_tokens: int = MIN_PAGE_BUCKET_TOKENS) -> int:
     """Page-table columns of a step whose furthest row ends at sequence position `longest`:
-    the power of two of its pages, at most a slot's."""
-    return min(layout.max_pages_per_slot, token_bucket(-(-longest // layout.page_size), minimum=1))
+    the power of two of its pages, at least the pages of `min_tokens`, at most a slot's."""
+    smallest = token_bucket(-(-min_tokens // layout.page_size), minimum=1)
+    return min(layout.max_pages_per_slot, token_bucket(-(-longest // layout.page_size), minimum=smallest))
+
+
+def page_buckets(layout: CacheLayout, min_tokens: int = MIN_PAGE_BUCKET_TOKENS) -> list[int]:
+    """Every page-table width `page_bucket` gives, narrowest first."""
+    return sorted({page_bucket(layout, n * layout.page_size, min_tokens)
+                   for n in range(1, layout.max_pages_per_slot + 1)})
 
 
 def step_key(kind: str, rows: int, tokens: int, pages: int, all_logits: bool, decoder: bool,
@@ -222,9 +235,11 @@ class ModelRunner:
     tokens each layer routed to each expert (`expert_load`, for EPLB)."""
 
     def __init__(self, params: dict, config: ModelConfig, layout: CacheLayout, kernels: KernelConfig | None = None,
-                 mesh=None, keep_logical_experts: bool = False, max_logit_bias: int = 128, max_bans: int = 33):
+                 mesh=None, keep_logical_experts: bool = False, max_logit_bias: int = 128, max_bans: int = 33,
+                 min_page_tokens: int = MIN_PAGE_BUCKET_TOKENS):
         self.config = config
         self.layout = layout
+        self.min_page_tokens = min_page_tokens  # the narrowest page table covers this many tokens
         self.kernels = kernels
         self.mesh_step = None
         if layout.draft_rings and not has_drafter(params, config):
@@ -322,7 +337,7 @@ class ModelRunner:
         per_rank, dp = self.layout.slots_per_rank, self.layout.dp
         B = rows * dp
         longest = max(w.start + len(w.tokens) for w in work)
-        n_pages = page_bucket(self.layout, longest)
+        n_pages = page_bucket(self.layout, longest, self.min_page_tokens)
         if self.kernels is not None and self.kernels.batch_invariant:  # every read the same width
             n_pages = self.layout.max_pages_per_slot
         tok = np.zeros((B, T), np.int32)

@@ -2,8 +2,8 @@
 
 Offline jobs (`LLM.generate`, `deepinfer generate` and `run-batch`) know their requests before
 the first step, so they need not compile every shape their lengths could reach (`warmup.step_shapes`:
-every row count, token bucket and page bucket, 22 shapes and 9 minutes for one cold 1,357-token
-prompt on 2 CPU cores). `planned_shapes` runs the engine's own scheduler on copies of the cache
+every row count, token bucket and page bucket: 13 shapes for one 1,357-token prompt at the
+defaults, where it uses 3). `planned_shapes` runs the engine's own scheduler on copies of the cache
 bookkeeping and of the requests, and applies the same bucketing as `LLMEngine.step` and
 `ModelRunner.run`, without touching the device, until only decodes are left: the prefill
 shapes that come out are what the real steps will ask for, provided every request runs to its
@@ -51,7 +51,7 @@ def _only_decodes_left(scheduler: Scheduler, max_len: int) -> bool:
     return all(n <= cache.pages.ranks[rank].free for rank, n in enumerate(need))
 
 
-def _decode_buckets(requests, layout, max_len: int) -> dict[bool, set[int]]:
+def _decode_buckets(requests, layout, max_len: int, min_page_tokens: int) -> dict[bool, set[int]]:
     """The page buckets of the decode steps, by whether the step returns logprobs. A request
     decodes with its sequence ending from its prompt + 1 (the first sample comes from its
     prefill) to its final length - 1; a step's page bucket is that of its longest row, which is
@@ -64,8 +64,8 @@ def _decode_buckets(requests, layout, max_len: int) -> dict[bool, set[int]]:
             low, high = len(r.prompt_token_ids) + 1, _final_length(r, max_len) - 1
             if low <= high:
                 found = buckets.setdefault(logprobs, set())
-                found.update(page_bucket(layout, n) for n in range(low, high, layout.page_size))
-                found.add(page_bucket(layout, high))
+                found.update(page_bucket(layout, n, min_page_tokens) for n in range(low, high, layout.page_size))
+                found.add(page_bucket(layout, high, min_page_tokens))
     return buckets
 
 
@@ -99,8 +99,9 @@ def planned_shapes(engine, max_steps: int = 20_000) -> list[StepShape]:
         sampled = list(plan.decode)
         for step in prefill_passes(plan.prefill, cache):
             emitting = [r for r, n in step.chunks if r.computed + n == r.length]
+            furthest = max(r.computed + n for r, n in step.chunks)
             shapes[StepShape("prefill", step.rows, token_bucket(max(n for _, n in step.chunks)),
-                             page_bucket(layout, max(r.computed + n for r, n in step.chunks)), step.decoder,
+                             page_bucket(layout, furthest, engine.runner.min_page_tokens), step.decoder,
                              logprobs=step.decoder and _wants_logprobs(emitting))] = None
             for r, n in step.chunks:
                 r.computed += n
@@ -124,7 +125,8 @@ def planned_shapes(engine, max_steps: int = 20_000) -> list[StepShape]:
             reachable += [dataclasses.replace(s, logprobs=True) for s in reachable if s.decoder]
         shapes.update(dict.fromkeys(reachable))
 
-    for logprobs, buckets in _decode_buckets(list(shadow.values()), layout, max_len).items():
+    for logprobs, buckets in _decode_buckets(list(shadow.values()), layout, max_len,
+                                             engine.runner.min_page_tokens).items():
         for pages in sorted(buckets):
             shapes[StepShape("decode", layout.slots_per_rank, 1, pages, True, logprobs=logprobs)] = None
     return list(shapes)

@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 from deepinfer.serve.engine import sampling_state
-from deepinfer.serve.engine.runner import ChunkWork, StepSampling, row_bucket, step_key, token_bucket
+from deepinfer.serve.engine.runner import ChunkWork, StepSampling, page_buckets, row_bucket, step_key, token_bucket
 from deepinfer.serve.engine.sampler import Sampler
 from deepinfer.serve.engine.scheduler import GRANULE, widest_tokens
 from deepinfer.serve.engine.types import MAX_LOGPROBS
@@ -77,10 +77,6 @@ class WarmupReport:
         return float(sum(self.seconds))
 
 
-def _page_buckets(max_pages: int) -> list[int]:
-    return sorted({min(max_pages, token_bucket(n, minimum=1)) for n in range(1, max_pages + 1)})
-
-
 def _chunk_ends(tokens: int, chunk: int, limit: int) -> list[tuple[int, int]]:
     """Where a prefill chunk of token bucket `tokens` can end: chunks start at multiples of
     GRANULE (a chunk cut short by the token budget, or one of several rows, is a multiple of it),
@@ -101,13 +97,13 @@ def step_shapes(engine, max_len: int | None = None) -> list[StepShape]:
     (default: the context), in the order `warm_up` compiles them.
 
     A prefill step's token bucket is its longest chunk's, its page bucket its furthest-reaching
-    row's: page bucket P covers sequence ends in ((P/2) * page_size, P * page_size] (the last
-    one up to the context). Encoder-only chunks end at or below the replay floor, at most
+    row's: page bucket P covers sequence ends in ((P/2) * page_size, P * page_size] (the first
+    from 0: `EngineConfig.min_page_bucket_tokens`; the last one up to the context). Encoder-only chunks end at or below the replay floor, at most
     context - keep_tokens. Shapes no request can produce are left out (`_chunk_ends`)."""
     layout, ec = engine.cache.layout, engine.engine_config
     ps, chunk = layout.page_size, ec.prefill_chunk
     max_len = layout.max_len if max_len is None else max(1, min(max_len, layout.max_len))
-    pages = _page_buckets(layout.max_pages_per_slot)
+    pages = page_buckets(layout, engine.runner.min_page_tokens)
     low_end = {p: (0 if i == 0 else pages[i - 1] * ps) for i, p in enumerate(pages)}  # ends > this
     pages = [p for p in pages if low_end[p] < max_len]
     tokens = sorted({token_bucket(n) for n in range(1, chunk + 1)})
@@ -183,7 +179,7 @@ def time_decode_steps(engine, repeats: int = 3) -> list[float]:
     if engine.scheduler.running:
         raise RuntimeError("time_decode_steps needs an engine with no running request")
     layout = engine.cache.layout
-    shape = StepShape("decode", layout.slots_per_rank, 1, _page_buckets(layout.max_pages_per_slot)[0])
+    shape = StepShape("decode", layout.slots_per_rank, 1, page_buckets(layout, engine.runner.min_page_tokens)[0])
     end = min(shape.pages * layout.page_size, layout.max_len)
     table, work = _dummy_rows(engine, shape.rows, end, 1, 0)
     sample = StepSampling([False] * len(work), None)

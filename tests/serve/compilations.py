@@ -19,6 +19,8 @@ COMPILE_EVENTS = (
     "/jax/compilation_cache/cache_retrieval_time_sec",  # loaded from the persistent cache (a hit)
 )
 
-# 2 slots, page buckets 1 and 2 (64-token pages up to 128 tokens): 6 shapes, 1 and 2 prefill rows
-# and a decode per bucket
-WARM_ENGINE = EngineConfig(budget=CacheBudget(num_slots=2, max_model_len=128, page_size=64), prefill_chunk=128)
+# 2 slots, page buckets 1 and 2 (64-token pages up to 128 tokens, the narrowest table one page
+# instead of the default 2,048 tokens' worth, so that generations cross a bucket): 6 shapes,
+# 1 and 2 prefill rows and a decode per bucket
+WARM_ENGINE = EngineConfig(budget=CacheBudget(num_slots=2, max_model_len=128, page_size=64), prefill_chunk=128,
+                           min_page_bucket_tokens=64)

@@ -391,16 +391,17 @@ def test_periodic_stats_line_and_progress_bar(llm, caplog, capsys):
 @pytest.mark.slow
 def test_a_call_compiles_before_its_first_step_at_the_defaults(cache_dir, monkeypatch):
     """`warmup` (on by default) at the engine defaults (compact prefill, 512-token chunks,
-    128-token pages), on a fresh `LLM` whose params are loaded from the checkpoint (committed to
-    their device): a 1,400-token prompt (two encoder-only chunks, one with the decoder) and a
-    short one that decodes across a page bucket compile nothing inside the engine's steps (JAX's
-    compile and cache-load events): the planned shapes ran before the first step, with inputs placed as
-    the real steps' are."""
+    128-token pages, the narrowest page table 2,048 tokens), on a fresh `LLM` whose params are
+    loaded from the checkpoint (committed to their device): a 1,400-token prompt (two
+    encoder-only chunks, one with the decoder) and a 2,020-token one that decodes across the
+    2,048-token page bucket compile nothing inside the engine's steps (JAX's compile and
+    cache-load events): the planned shapes ran before the first step, with inputs placed as the
+    real steps' are."""
     import jax.monitoring
 
     from deepinfer import LLM
 
-    llm = LLM(MODEL, cache_dir=cache_dir, max_num_seqs=4, max_model_len=2048)
+    llm = LLM(MODEL, cache_dir=cache_dir, max_num_seqs=4, max_model_len=4096)
     during, in_step = [], [False]
     step = llm.engine.step
 
@@ -418,17 +419,15 @@ def test_a_call_compiles_before_its_first_step_at_the_defaults(cache_dir, monkey
     monkeypatch.setattr(llm.engine, "step", counted_step)
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
-        outs = llm.generate([random_prompt(1400, 1), random_prompt(100, 2)],
+        outs = llm.generate([random_prompt(1400, 1), random_prompt(2020, 2)],
                             [SamplingParams(max_tokens=3, **GREEDY), SamplingParams(max_tokens=40, **GREEDY)],
                             use_tqdm=False)
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 40]
     assert [str(s) for s in sorted(llm.engine.warmed_shapes, key=str)] == [
-        "decode 4 rows x 1 tokens x 1 pages", "decode 4 rows x 1 tokens x 16 pages",
-        "decode 4 rows x 1 tokens x 2 pages", "prefill 1 rows x 128 tokens x 1 pages",
-        "prefill 1 rows x 512 tokens x 16 pages", "prefill 1 rows x 512 tokens x 4 pages, encoder only",
-        "prefill 1 rows x 512 tokens x 8 pages, encoder only"]
+        "decode 4 rows x 1 tokens x 16 pages", "decode 4 rows x 1 tokens x 32 pages",
+        "prefill 1 rows x 512 tokens x 16 pages", "prefill 1 rows x 512 tokens x 16 pages, encoder only"]
     assert during == [], f"{len(during)} compilation(s) inside engine steps"
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from deepinfer.model import init_params, load_config
+from deepinfer.model.kv_cache import CacheLayout
 from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine import runner as runner_module
@@ -24,6 +25,7 @@ from deepinfer.serve.engine.sampler import SampleOutput
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
 from deepinfer.serve.engine.prefix_cache import PrefixCacheConfig
+from deepinfer.serve.engine.runner import page_bucket, page_buckets
 from deepinfer.serve.engine.shape_plan import planned_shapes
 from deepinfer.serve.engine.types import MAX_LOGPROBS
 from deepinfer.serve.engine.warmup import pending_shapes, step_shapes, warm_up
@@ -66,7 +68,10 @@ def recorded(monkeypatch):
 
 
 def make_engine(model, **engine_kw) -> LLMEngine:
+    """An engine of BUDGET whose narrowest page table is one page (the default's is 2,048
+    tokens, all of BUDGET): its steps cross page buckets."""
     config, params, tokenizer = model
+    engine_kw.setdefault("min_page_bucket_tokens", 64)
     return LLMEngine(params, config, tokenizer, EngineConfig(budget=BUDGET, **engine_kw))
 
 
@@ -151,6 +156,19 @@ def test_step_shapes_follow_the_layout(model):
     assert {s.kind for s in shapes} == {"prefill", "decode"}  # sampling is part of the steps
 
 
+def test_the_narrowest_page_table_covers_min_page_bucket_tokens(model):
+    """By default a step reads at least 2,048 tokens' worth of pages: BUDGET's 1,024-token
+    context is one page bucket (prefill and decode), and a longer context starts at 2,048."""
+    shapes = step_shapes(make_engine(model, min_page_bucket_tokens=2048))
+    assert {s.pages for s in shapes} == {16} and [s.rows for s in shapes if s.kind == "decode"] == [4]
+    long = CacheLayout(num_slots=4, page_size=64, num_pages=512, max_pages_per_slot=128)
+    assert page_buckets(long) == [32, 64, 128]
+    assert [page_bucket(long, n) for n in (1, 2048, 2049, 4096, 4097, 8192)] == [32, 32, 64, 64, 128, 128]
+    assert page_buckets(long, 64) == [1, 2, 4, 8, 16, 32, 64, 128] and page_bucket(long, 65, 64) == 2
+    with pytest.raises(ValueError, match="min_page_bucket_tokens"):
+        EngineConfig(min_page_bucket_tokens=0)
+
+
 def recorded_key(shape) -> tuple:
     """How the recorders above log a step of `shape` (one dp rank)."""
     head = (MAX_LOGPROBS if shape.logprobs else None) if shape.decoder else False
@@ -217,16 +235,16 @@ def test_planned_decode_shapes_cover_early_stops(model, recorded):
 
 def test_planned_shapes_of_one_long_prompt(model):
     """A 1,357-token prompt at the engine defaults (compact prefill, 512-token chunks) is two
-    encoder-only chunks, one chunk with the decoder, then decodes: 4 shapes where everything its
-    length can reach is more than 5 times as many."""
+    encoder-only chunks, one chunk with the decoder, then decodes, all in the narrowest page
+    table (2,048 tokens): 3 shapes where everything its length can reach is more than 4 times
+    as many."""
     engine = LLMEngine(model[1], model[0], model[2],
                        EngineConfig(budget=CacheBudget(num_slots=8, max_model_len=4096, page_size=128)))
     engine.add_request("a", [0] + list(range(1, 1357)), SamplingParams(max_tokens=256))
     planned = [str(s) for s in planned_shapes(engine)]
-    assert planned == ["prefill 1 rows x 512 tokens x 4 pages, encoder only",
-                       "prefill 1 rows x 512 tokens x 8 pages, encoder only",
+    assert planned == ["prefill 1 rows x 512 tokens x 16 pages, encoder only",
                        "prefill 1 rows x 512 tokens x 16 pages", "decode 8 rows x 1 tokens x 16 pages"]
-    assert len(step_shapes(engine, 1357 + 256)) > 5 * len(planned)
+    assert len(step_shapes(engine, 1357 + 256)) > 4 * len(planned)
 
 
 @pytest.mark.slow
