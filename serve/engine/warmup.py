@@ -98,8 +98,8 @@ def step_shapes(engine, max_len: int | None = None) -> list[StepShape]:
 
     A prefill step's token bucket is its longest chunk's, its page bucket its furthest-reaching
     row's: page bucket P covers sequence ends in ((P/2) * page_size, P * page_size] (the first
-    from 0: `EngineConfig.min_page_bucket_tokens`; the last one up to the context). Encoder-only chunks end at or below the replay floor, at most
-    context - keep_tokens. Shapes no request can produce are left out (`_chunk_ends`)."""
+    from 0: `EngineConfig.min_page_bucket_tokens`; the last one up to the context). Encoder-only
+    chunks end at or below the replay floor, at most context - keep_tokens. Shapes no request can produce are left out (`_chunk_ends`)."""
     layout, ec = engine.cache.layout, engine.engine_config
     ps, chunk = layout.page_size, ec.prefill_chunk
     max_len = layout.max_len if max_len is None else max(1, min(max_len, layout.max_len))
