@@ -13,8 +13,12 @@ window keys, ring writes and compressor run on the gathered chunk (`model.step._
 spreads every rank's tokens over all devices, which hold `experts / devices` experts each,
 through `ExpertParallel`. The logits are gathered over `dp` so
 every process (multi-host included) sees all rows, and the expert counts are summed over `dp`.
-With a `head` (the engine's sampler), each rank runs it on its own rows' logits and per-slot
-state inside the step, and only the head's per-row outputs (sampled tokens) are gathered.
+A sampling step is two programs, as on one device (`serve.engine.device_step`): `step_logits`
+(placeholder tokens resolved from the per-slot state, then the model) leaves each rank's
+last-token logits on its devices, and `sample` runs the engine's sampler on them and the rank's
+per-slot state, gathering only its per-row outputs (sampled tokens) over dp. So the model is
+compiled once per step shape: asking for log-probabilities or structured-output masks selects
+another small sampler program, never another copy of the model.
 
 All device inputs are built as global arrays with `make_array_from_callback`, which is what
 JAX's multi-controller runtime needs: every process runs the same host code on the same data.
@@ -22,6 +26,7 @@ JAX's multi-controller runtime needs: every process runs the same host code on t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from functools import partial
 
@@ -154,45 +159,79 @@ class MeshStep:
         return _reset(cache, to_global(padded_slot_ids(slots, self.layout.num_slots), self._replicated))
 
     # ---- the step -----------------------------------------------------------------------
-    def __call__(self, params: dict, cache: KVCache, batch: StepBatch, *, all_logits: bool, decoder: bool,
-                 head=None, head_state=None, head_rows=None):
-        """`batch` holds host arrays, rows grouped by dp rank, local slot and page ids.
+    def __call__(self, params: dict, cache: KVCache, batch: StepBatch, *, all_logits: bool, decoder: bool):
+        """`batch` holds host arrays, rows grouped by dp rank, local slot and page ids. Returns
+        `(cache, logits gathered over dp or None without the decoder, counts)`."""
+        T, split = batch.tokens.shape[1], self._split(batch)
+        key = (all_logits, decoder, split, jax.tree.map(np.shape, batch))
+        batch = self._place(batch, split)
+        if key not in self._steps:
+            self._steps[key] = self._compile(self._build(all_logits, decoder, split, (params, cache, batch)),
+                                             (params, cache, batch), all_logits, decoder, batch)
+        cache, logits, counts = self._steps[key](params, cache, batch)
+        if split and all_logits:
+            logits = logits[:, :T]  # the padding columns
+        return cache, (logits if decoder else None), counts
 
-        `head` (hashable; None: return the logits): `head(logits, state, slots, rows) -> (state,
-        outputs)` runs on each rank after the model, on its rows' last-token logits, with
-        `head_state` (leaves `[slots, ...]` split over dp, placed by `per_slot_shardings`; donated)
-        and `head_rows` (host arrays `[B, ...]`, rows grouped like `batch`'s); returns `(cache,
-        head_state, outputs gathered over dp, counts)`."""
+    def step_logits(self, params: dict, cache: KVCache, batch: StepBatch, state, rows, *, resolve):
+        """The model half of a sampling step: `resolve(batch, state, rows, config)` fills the
+        placeholder tokens from the per-slot `state` (leaves `[slots, ...]` split over dp, placed
+        by `per_slot_shardings`; read only), then the model. `rows` are host arrays `[B, ...]`
+        grouped like `batch`'s rows. Returns `(cache, last-token logits [B, vocab] split over dp
+        and left on the devices, counts)` for `sample`."""
+        split = self._split(batch)
+        key = ("logits", split, resolve, jax.tree.map(np.shape, batch), jax.tree.map(np.shape, rows))
+        batch, rows = self._place(batch, split), self.place_rows(rows)
+        args = (params, cache, batch, state, rows)
+        if key not in self._steps:
+            self._steps[key] = self._compile(self._build(False, True, split, args, resolve=resolve), args,
+                                             False, True, batch)
+        return self._steps[key](*args)
+
+    def sample(self, head, logits: jax.Array, state, slots: np.ndarray, rows):
+        """The sampler half: `head(logits, state, slots, rows) -> (state, outputs)` on each rank's
+        rows (`slots`: the step batch's local slot ids, host `[B]`; `rows`: host arrays `[B, ...]`),
+        `state` donated; returns `(state, outputs gathered over dp)`."""
+        key = ("sample", head, logits.shape, jax.tree.map(np.shape, rows))
+        args = (logits, state, self.place_rows(slots), self.place_rows(rows))
+        if key not in self._steps:
+            # in deterministic mode the sampler runs in fixed tiles too
+            run = batch_invariant(head) if self.invariant else head
+
+            def body(logits, state, slots, rows):  # every (cp, tp) replica of a rank runs it alike
+                state, out = run(logits, state, slots, rows)
+                return state, jax.tree.map(lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), out)
+
+            rank = lambda tree: jax.tree.map(lambda _: P("dp"), tree)
+            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(P("dp"), rank(state), P("dp"), rank(args[3])),
+                                   out_specs=(rank(state), P()), check_vma=False)
+            jitted = jax.jit(mapped, donate_argnums=(1,), compiler_options=self.options)
+            self._steps[key] = self.compile(jitted, args, f"deepinfer sampler {head} {logits.shape}")
+        return self._steps[key](*args)
+
+    def program_counts(self) -> dict[str, int]:
+        """How many programs this mesh step compiled, by kind: "step" (logits to the host),
+        "logits" (the model half of a sampling step) and "sample" (its sampler half)."""
+        return dict(collections.Counter(key[0] if isinstance(key[0], str) else "step" for key in self._steps))
+
+    def _split(self, batch: StepBatch) -> bool:
+        """Whether the step splits its tokens over cp: prefill with cp > 1; the batch-invariant
+        step has no context-parallel path (`model.step._invariant`): its prefill chunks run
+        whole on every cp replica, as decode steps do."""
+        return self.cp > 1 and batch.tokens.shape[1] > 1 and not self.invariant
+
+    def _place(self, batch: StepBatch, split: bool) -> StepBatch:
         T = batch.tokens.shape[1]
-        # the batch-invariant step has no context-parallel path (`model.step._invariant`): its
-        # prefill chunks run whole on every cp replica, as decode steps do
-        split = self.cp > 1 and T > 1 and not self.invariant
-        if head is not None and (all_logits or not decoder):
-            raise ValueError("a step head needs the decoder's last-token logits")
-        # (the head's rows: a step with structured-output masks and one without are two programs)
-        key = (all_logits, decoder, split, head, jax.tree.map(np.shape, batch), jax.tree.map(np.shape, head_rows))
         if split:
             batch = zigzag_rows(batch, self.cp)
         specs = batch_specs(batch, split)
         batch = jax.tree.map(lambda a, spec: to_global(a, NamedSharding(self.mesh, spec)), batch, specs)
         if split:  # what each device really got (the tests check the work is split)
             self.queries_per_rank[T] = batch.tokens.addressable_shards[0].data.shape[1]
-        extra = ()
-        if head is not None:
-            extra = (head_state, self.place_rows(head_rows))
-        if key not in self._steps:
-            self._steps[key] = self._compile(params, cache, batch, all_logits, decoder, split, head, extra)
-        if head is not None:
-            return self._steps[key](params, cache, batch, *extra)
-        cache, logits, counts = self._steps[key](params, cache, batch)
-        if split and all_logits:
-            logits = logits[:, :T]  # the padding columns
-        return cache, (logits if decoder else None), counts
+        return batch
 
-    def _compile(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool, head=None, extra=()):
-        built = self._build(params, cache, batch, all_logits, decoder, split, head, *extra)
-        return self.compile(built, (params, cache, batch, *extra),
-                            f"deepinfer step {all_logits} {decoder} {batch.tokens.shape}")
+    def _compile(self, jitted, args: tuple, all_logits: bool, decoder: bool, batch: StepBatch):
+        return self.compile(jitted, args, f"deepinfer step {all_logits} {decoder} {batch.tokens.shape}")
 
     def compile(self, jitted, args: tuple, label: str):
         """`jitted` compiled for `args` ahead of its first run; with many processes, wait for all
@@ -202,42 +241,35 @@ class MeshStep:
         barrier(label)
         return compiled
 
-    def _build(self, params, cache, batch, all_logits: bool, decoder: bool, split: bool, head=None,
-               head_state=None, head_rows=None):
+    def _build(self, all_logits: bool, decoder: bool, split: bool, args: tuple, resolve=None):
+        """The jitted, shard-mapped model step over `args` (params, cache, batch, and with
+        `resolve` the per-slot state and rows it fills the placeholder tokens from): returns the
+        cache, the logits (with `resolve`: split over dp; else gathered) and the expert counts."""
         config, layout, kernels = self.config, self.layout, self.kernels
         ep, seq = (self.ep_cp, ZigzagShards(self.cp)) if split else (self.ep, None)
-        # in deterministic mode the model step is batch-invariant (`step_body`); the head too
-        run_head = batch_invariant(head) if self.invariant and head is not None else head
 
         def body(params, cache, batch, *extra):
-            if head is not None:  # placeholder tokens from the rank's own slots' last samples
-                batch = head.resolve(batch, *extra, config)
+            if resolve is not None:  # placeholder tokens from the rank's own slots' last samples
+                batch = resolve(batch, *extra, config)
             cache, logits, counts = step_body(params, cache, batch, config=config, layout=layout,
                                               all_logits=all_logits, decoder=decoder, kernels=kernels, ep=ep,
                                               seq=seq)
             # counts: tokens differ over dp (and over cp when split), are replicated elsewhere
             counts = jax.lax.psum(counts, ("dp", "cp") if split else "dp")
-            if head is not None:  # every (cp, tp) replica of a rank runs it alike: same rows, same state
-                state, rows = extra
-                state, out = run_head(logits, state, batch.slots, rows)
-                out = jax.tree.map(lambda a: jax.lax.all_gather(a, "dp", axis=0, tiled=True), out)
-                return cache, state, out, counts
+            if resolve is not None:  # the rank's rows, for `sample` (every cp, tp replica alike)
+                return cache, logits, counts
             if logits is None:
                 logits = jnp.zeros((0,), jnp.float32)
             else:
                 logits = jax.lax.all_gather(logits, "dp", axis=0, tiled=True)
             return cache, logits, counts
 
+        params, cache, batch, *extra = args
         in_specs = (params_specs(params), cache_specs(cache), batch_specs(batch, split))
-        out_specs = (cache_specs(cache), P(), P())
-        donate = (1,)
-        if head is not None:
-            state_specs = jax.tree.map(lambda _: P("dp"), head_state)
-            in_specs += (state_specs, jax.tree.map(lambda _: P("dp"), head_rows))
-            out_specs = (cache_specs(cache), state_specs, P(), P())
-            donate = (1, 3)
+        in_specs += tuple(jax.tree.map(lambda _: P("dp"), tree) for tree in extra)
+        out_specs = (cache_specs(cache), P("dp") if resolve is not None else P(), P())
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-        return jax.jit(mapped, donate_argnums=donate, compiler_options=self.options)
+        return jax.jit(mapped, donate_argnums=(1,), compiler_options=self.options)
 
 
 @partial(jax.jit, donate_argnums=(0,))

@@ -11,8 +11,8 @@ the two on the device, as they are inside one program (the sampler reads them se
 
 `programs.py` jits both once per engine configuration, the cache donated to the first and the
 per-slot sampling state to the second (its output counts advance by the kept tokens). Under a
-mesh the sampler runs inside the shard-mapped step instead (`sharding.engine_step.MeshStep`,
-`head=`).
+mesh the same two programs run shard-mapped (`sharding.engine_step.MeshStep.step_logits` and
+`sample`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from deepinfer.model.kv_cache import CacheLayout, KVCache, init_cache, padded_sl
 from deepinfer.model.step import StepBatch
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine import sampling_state
-from deepinfer.serve.engine.device_step import model_rows
+from deepinfer.serve.engine.device_step import model_rows, sampler_rows
 from deepinfer.serve.engine.page_store import EvictedPages
 from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
@@ -412,10 +412,11 @@ class ModelRunner:
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation(key[0]):
             if head is not None:
-                if self.mesh_step is not None:
-                    self.cache, self.sampling, out, counts = self.mesh_step(
-                        self.params, self.cache, batch, all_logits=False, decoder=True, head=head,
-                        head_state=self.sampling, head_rows=sample_rows)
+                if self.mesh_step is not None:  # the same two programs as `engine_step`'s, shard-mapped
+                    self.cache, logits, counts = self.mesh_step.step_logits(
+                        self.params, self.cache, batch, self.sampling, model_rows(sample_rows), resolve=Sampler.resolve)
+                    self.sampling, out = self.mesh_step.sample(head, logits, self.sampling, batch.slots,
+                                                               sampler_rows(sample_rows))
                 else:
                     batch, sample_rows = jax.tree.map(jnp.asarray, (batch, sample_rows))
                     self.cache, self.sampling, out, counts = engine_step(

@@ -8,6 +8,7 @@ the mesh's other reduction order may choose otherwise, and the request's later t
 Every step pulls its logits to the host, so the CPU backend never queues collective programs
 (they deadlock when too many are in flight; `../shared/spec/environment.md`)."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,6 +17,8 @@ from deepinfer.model.tokenizer import load_tokenizer
 from deepinfer.serve.api.types import SamplingParams
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig, LLMEngine
+from deepinfer.serve.engine.sampler import Sampler
+from deepinfer.serve.engine.types import MAX_LOGPROBS
 from deepinfer.sharding import make_mesh
 from deepinfer.sharding.eplb import device_load, imbalance
 from tests.argmax_check import assert_argmax_agrees
@@ -225,3 +228,40 @@ def test_prefix_cache_hits_on_a_mesh_equal_one_device(model):
     print(f"tokens compared: {compared}")
     for rid, n in compared.items():
         assert ours[rid][0][:n] == single[rid][0][:n], (rid, ours[rid][0], single[rid][0])
+
+
+def test_a_mesh_compiles_the_model_once_per_step_shape_whatever_the_sampler_is_asked(model):
+    """Log-probabilities select another sampler program on a mesh, never another copy of the
+    model (as on one device): requests with and without logprobs, prefilled and decoding apart
+    and together, run one model program per step shape and their tokens are those they get
+    without logprobs."""
+    config, params, tokenizer = model
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 128000, n).tolist() for n in (30, 50)]
+
+    def run(logprobs: list[int | None]):
+        engine = LLMEngine(params, config, tokenizer,
+                           EngineConfig(budget=CacheBudget(num_slots=2, max_model_len=256, page_size=64),
+                                        prefill_chunk=128), mesh=make_mesh("dp=2", devices=jax.devices()[:2]))
+        for i, (ids, n) in enumerate(zip(prompts, logprobs)):
+            engine.add_request(str(i), ids, SamplingParams(max_tokens=4 + 4 * i, temperature=0.0, ignore_eos=True,
+                                                           logprobs=n))
+        outputs = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0]
+        return engine.runner.mesh_step, outputs
+
+    step, mixed = run([2, None])
+    _, plain = run([None, None])
+    assert {r: o.token_ids for r, o in mixed.items()} == {r: o.token_ids for r, o in plain.items()}
+    assert len(mixed["0"].logprobs) == 4 and mixed["1"].logprobs is None
+    # one prefill step of both prompts, decode steps of both, then of the second alone: two step
+    # shapes (2 rows x 128 tokens, 2 rows x 1), each one model program (the sampler reads no model
+    # input: the prefill and the decode steps of 2 rows share it), and two samplers, with
+    # logprobs (the first two steps) and without (the last); one model program per (shape,
+    # sampler) would be three
+    assert step.program_counts() == {"logits": 2, "sample": 2}, step.program_counts()
+    # (a step where some row wants logprobs computes the top MAX_LOGPROBS for all its rows)
+    assert {key[1] for key in step._steps if key[0] == "sample"} == {Sampler(MAX_LOGPROBS), Sampler(None)}
