@@ -2,8 +2,8 @@
 
     python -m tests.sharding.speculative_worker COORDINATOR PROCESS_ID CHECKPOINT OUT.json
 
-Joins the two-process runtime (`jax.distributed`, four CPU devices each), builds an `LLM` on a
-dp=2,cp=2,tp=2 mesh over both processes with confidence-scheduled DSpark, generates `requests()`
+Joins the two-process runtime (`jax.distributed`, one CPU device each), builds an `LLM` on a
+dp=2 mesh over both processes (one attention rank each) with confidence-scheduled DSpark, generates `requests()`
 and writes what this process saw to OUT.json: the verify-step costs its schedule uses, the
 outputs (tokens, text, finish reason, logprobs) and the spec-decode counters.
 
@@ -18,6 +18,9 @@ import sys
 
 PROMPTS = ("The capital of France is", "Once upon a time", "Answer in lower case:")
 REGEX = "[a-z]{2,8}( [a-z]{2,8}){2,3}"
+# one device per process: what must agree across processes is the verify width of every dp rank's
+# step (the cp/tp collectives of a wider mesh are test_two_processes_generate_the_one_process_tokens')
+MESH, DEVICES_PER_PROCESS = "dp=2", 1
 ENGINE = dict(max_num_seqs=4, max_model_len=256, page_size=64, prefill_chunk=128, log_stats_interval=None)
 SPECULATIVE = {"method": "dspark", "num_speculative_tokens": 2, "enable_adaptive_verification": True}
 # per process: a plain decode step's seconds, then a verify step's at 1 and 2 drafts per row
@@ -51,7 +54,7 @@ def main(coordinator: str, process_id: str, checkpoint: str, path: str) -> None:
     from deepinfer import LLM
 
     speculative = dict(SPECULATIVE, verify_step_seconds=STEP_SECONDS[int(process_id)])
-    llm = LLM(checkpoint, mesh="dp=2,cp=2,tp=2", speculative_config=speculative, **ENGINE)
+    llm = LLM(checkpoint, mesh=MESH, speculative_config=speculative, **ENGINE)
     prompts, params = zip(*requests())
     outputs = llm.generate(list(prompts), list(params), use_tqdm=False)
     counts = llm.engine.spec_counts

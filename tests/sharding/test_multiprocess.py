@@ -98,7 +98,7 @@ def test_two_processes_speculate_with_one_step_cost_curve(checkpoint, tmp_path):
     paths = [tmp_path / f"process{i}.json" for i in range(2)]
     root = pathlib.Path(__file__).resolve().parents[2]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.sharding.speculative_worker", address, str(i), checkpoint,
-                               str(paths[i])], cwd=root, env=_env(4), stdout=subprocess.PIPE,
+                               str(paths[i])], cwd=root, env=_env(speculative_worker.DEVICES_PER_PROCESS), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     try:
