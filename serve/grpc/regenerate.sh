@@ -7,7 +7,9 @@
 # The proto is compiled under the path deepinfer/serve/grpc/ (a staging copy), so the generated
 # *_pb2_grpc.py imports `from deepinfer.serve.grpc import deepinfer_engine_pb2` and the descriptor
 # is registered as deepinfer/serve/grpc/deepinfer_engine.proto; no import needs patching afterwards.
-# Needs grpcio-tools (the pinned stubs were made with grpcio-tools 1.85.1 / protobuf 7.35.1).
+# Needs grpcio-tools (the committed stubs were made with grpcio-tools 1.85.1 / protobuf 7.35.1; the
+# test that checks them ignores these version stamps: a newer patch release of the tools needs no
+# regeneration).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
