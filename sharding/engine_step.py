@@ -166,8 +166,9 @@ class MeshStep:
         key = (all_logits, decoder, split, jax.tree.map(np.shape, batch))
         batch = self._place(batch, split)
         if key not in self._steps:
-            self._steps[key] = self._compile(self._build(all_logits, decoder, split, (params, cache, batch)),
-                                             (params, cache, batch), all_logits, decoder, batch)
+            args = (params, cache, batch)
+            self._steps[key] = self.compile(self._build(all_logits, decoder, split, args), args,
+                                            f"deepinfer step {all_logits} {decoder} {batch.tokens.shape}")
         cache, logits, counts = self._steps[key](params, cache, batch)
         if split and all_logits:
             logits = logits[:, :T]  # the padding columns
@@ -184,8 +185,8 @@ class MeshStep:
         batch, rows = self._place(batch, split), self.place_rows(rows)
         args = (params, cache, batch, state, rows)
         if key not in self._steps:
-            self._steps[key] = self._compile(self._build(False, True, split, args, resolve=resolve), args,
-                                             False, True, batch)
+            self._steps[key] = self.compile(self._build(False, True, split, args, resolve=resolve), args,
+                                            f"deepinfer step logits {batch.tokens.shape}")
         return self._steps[key](*args)
 
     def sample(self, head, logits: jax.Array, state, slots: np.ndarray, rows):
@@ -229,9 +230,6 @@ class MeshStep:
         if split:  # what each device really got (the tests check the work is split)
             self.queries_per_rank[T] = batch.tokens.addressable_shards[0].data.shape[1]
         return batch
-
-    def _compile(self, jitted, args: tuple, all_logits: bool, decoder: bool, batch: StepBatch):
-        return self.compile(jitted, args, f"deepinfer step {all_logits} {decoder} {batch.tokens.shape}")
 
     def compile(self, jitted, args: tuple, label: str):
         """`jitted` compiled for `args` ahead of its first run; with many processes, wait for all

@@ -39,7 +39,8 @@ from tests.serve.grpc_harness import model, server, channel, stub, reference  # 
 # changes only these: the stubs still match the proto, so the comparison leaves them out.
 _TOOL_VERSIONS = (re.compile(r"GRPC_GENERATED_VERSION = '[0-9.]+'"),
                   re.compile(r"# Protobuf Python Version: [0-9.]+"),
-                  re.compile(r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)\s*\d+,\s*\d+,\s*\d+,"))
+                  re.compile(r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)"
+                             r"\s*\d+,\s*\d+,\s*\d+,"))
 
 
 def _without_tool_versions(text: str) -> str:
@@ -61,7 +62,8 @@ def test_committed_stubs_match_the_proto(tmp_path):
         assert _without_tool_versions(made) == _without_tool_versions(committed), f"{name} is stale: run regenerate.sh"
     # the committed stubs accept every grpcio that pyproject.toml allows
     floor = re.search(r'"grpcio>=([0-9.]+)"', (GRPC_DIR.parents[1] / "pyproject.toml").read_text()).group(1)
-    stamped = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", (GRPC_DIR / "deepinfer_engine_pb2_grpc.py").read_text())
+    stubs = (GRPC_DIR / "deepinfer_engine_pb2_grpc.py").read_text()
+    stamped = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", stubs)
     assert tuple(map(int, stamped.group(1).split("."))) <= tuple(map(int, floor.split("."))), (stamped.group(1), floor)
     assert "from deepinfer.serve.grpc import deepinfer_engine_pb2" in (GRPC_DIR / "deepinfer_engine_pb2_grpc.py").read_text()
 

@@ -3,9 +3,9 @@
     python -m tests.sharding.speculative_worker COORDINATOR PROCESS_ID CHECKPOINT OUT.json
 
 Joins the two-process runtime (`jax.distributed`, one CPU device each), builds an `LLM` on a
-dp=2 mesh over both processes (one attention rank each) with confidence-scheduled DSpark, generates `requests()`
-and writes what this process saw to OUT.json: the verify-step costs its schedule uses, the
-outputs (tokens, text, finish reason, logprobs) and the spec-decode counters.
+dp=2 mesh over both processes (one attention rank each) with confidence-scheduled DSpark,
+generates `requests()` and writes what this process saw to OUT.json: the verify-step costs its
+schedule uses, the outputs (tokens, text, finish reason, logprobs) and the spec-decode counters.
 
 Each process is given its own step-cost curve (`STEP_SECONDS`; as if each host had profiled its
 own): by process 0's every width pays, by process 1's none does, so a process that used its own

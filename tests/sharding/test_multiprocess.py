@@ -97,9 +97,10 @@ def test_two_processes_speculate_with_one_step_cost_curve(checkpoint, tmp_path):
     address = f"127.0.0.1:{_free_port()}"
     paths = [tmp_path / f"process{i}.json" for i in range(2)]
     root = pathlib.Path(__file__).resolve().parents[2]
+    env = _env(speculative_worker.DEVICES_PER_PROCESS)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.sharding.speculative_worker", address, str(i), checkpoint,
-                               str(paths[i])], cwd=root, env=_env(speculative_worker.DEVICES_PER_PROCESS), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+                               str(paths[i])], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
              for i in range(2)]
     try:
         results = [p.communicate(timeout=TIMEOUT_S) + (p.returncode,) for p in procs]
