@@ -123,6 +123,7 @@ class MeshStep:
         self.cp = mesh.shape["cp"]
         self.ep_cp = ExpertParallel(axes=EP_AXES, method=method, replicated_axes=("tp",))
         self._replicated = NamedSharding(mesh, P())
+        self._take_last = jax.jit(_take_last, out_shardings=NamedSharding(mesh, P("dp")))
         self._steps: dict[tuple, object] = {}
         # prefill row length -> query tokens per cp rank of the last such step
         self.queries_per_rank: dict[int, int] = {}
@@ -210,6 +211,15 @@ class MeshStep:
             self._steps[key] = self.compile(jitted, args, f"deepinfer sampler {head} {logits.shape}")
         return self._steps[key](*args)
 
+    def take_row(self, logits: jax.Array, row: int) -> jax.Array:
+        """Row `row` of a step's gathered logits `[B, T, vocab]` as `[1, T, vocab]`, replicated."""
+        return _take_row(logits, self.replicate(np.int32(row)))
+
+    def last_logits(self, logits: jax.Array, last_index: np.ndarray) -> jax.Array:
+        """Each row's logits at its `last_index` from a step's gathered logits `[B, T, vocab]`,
+        split over dp as `step_logits` leaves them (for `sample`)."""
+        return self._take_last(logits, self.replicate(last_index))
+
     def program_counts(self) -> dict[str, int]:
         """How many programs this mesh step compiled, by kind: "step" (logits to the host),
         "logits" (the model half of a sampling step) and "sample" (its sampler half)."""
@@ -268,6 +278,15 @@ class MeshStep:
         out_specs = (cache_specs(cache), P("dp") if resolve is not None else P(), P())
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
         return jax.jit(mapped, donate_argnums=(1,), compiler_options=self.options)
+
+
+@jax.jit
+def _take_row(logits: jax.Array, row: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(logits, row, axis=0, keepdims=True)
+
+
+def _take_last(logits: jax.Array, last_index: jax.Array) -> jax.Array:
+    return logits[jnp.arange(logits.shape[0]), last_index]
 
 
 @partial(jax.jit, donate_argnums=(0,))

@@ -228,8 +228,6 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name}: at most {MAX_LOGPROBS} alternatives are supported, got {value}")
-        if params.prompt_logprobs is not None and self.runner.mesh_step is not None:
-            raise ValueError("prompt_logprobs: computed on one device for now (this engine runs on a mesh)")
         sampling_state.check_capacity(params, eos_token_id=self.config.eos_token_id,
                                       max_logit_bias=self.runner.max_logit_bias, max_bans=self.runner.max_bans)
         self.cache.check_admissible(len(ids), self.cache.layout.max_len)

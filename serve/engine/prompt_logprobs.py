@@ -6,8 +6,9 @@ A request that asks computes its whole prompt with full fidelity and without the
 its replay floor is 0 (compact prefill would skip the decoder layers below it) and it reads no
 cached page (vLLM's default `skip_reading_prefix_cache` for them; its own pages are still published). Each
 of its prompt chunks runs as a one-row step that keeps the logits at every position on the device
-(`ModelRunner.run_scored`); only the scores come back. Those step shapes are compiled when first
-used, not by the warm-up.
+(`ModelRunner.run_scored`); only the scores come back. The warm-up of a known batch compiles
+those step shapes (`shape_plan.planned_shapes`); the full warm-up (`serve`) does not, as it cannot
+know which k a request will ask for: there they compile when first used.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from deepinfer.serve.engine.device_step import model_rows, sampler_rows
 from deepinfer.serve.engine.page_store import EvictedPages
 from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
-from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler
+from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler, prompt_logprobs
 from deepinfer.serve.engine.speculative import DraftInputs, DraftProposal, VerifiedLogits, VerifyOutput
 from deepinfer.sharding.distributed import host_value
 
@@ -130,6 +130,10 @@ class ProposedDrafts:
     counts: jax.Array
 
 
+# the scores of a scored chunk on a mesh (on one device: `StepPrograms.prompt_logprobs`)
+_mesh_prompt_logprobs = jax.jit(prompt_logprobs, static_argnames=("num_logprobs",))
+
+
 @dataclass(frozen=True)
 class StepSampling:
     """Sample in the step: `emit[i]` says whether work row i's token is kept (it ends its
@@ -205,6 +209,12 @@ def step_key(kind: str, rows: int, tokens: int, pages: int, all_logits: bool, de
              head: Sampler | None) -> tuple:
     """What a compiled step program is keyed on (`ModelRunner.compile_seconds`)."""
     return (kind, rows, tokens, pages, all_logits, decoder, head)
+
+
+def scored_key(num_logprobs: int, rows: int, tokens: int, pages: int, head: Sampler | None) -> tuple:
+    """The `step_key` of a scored prompt chunk (`ModelRunner.run_scored`), whose scores'
+    program depends on the number of prompt logprobs."""
+    return step_key(f"prefill+prompt_logprobs={num_logprobs}", rows, tokens, pages, True, True, head)
 
 
 def _device_of(params: dict):
@@ -446,20 +456,22 @@ class ModelRunner:
 
     def run_scored(self, work: ChunkWork, page_table: np.ndarray, *, tokens: int, targets: np.ndarray,
                    num_logprobs: int, sample: StepSampling | None) -> tuple[PendingSamples | None, PendingSamples]:
-        """A prefill chunk of one request that asked for prompt logprobs (one device): the model
+        """A prefill chunk of one request that asked for prompt logprobs: the model
         step with logits at every position (`forward`, all logits), their scores against the
         next prompt tokens `targets [len(work.tokens)]` (`sampler.prompt_logprobs`) and, with
         `sample` (the chunk ends the request's input), the sampler on its last position. Returns
         the samples (None without `sample`) and the scores (`SampleOutput` fields `[1, tokens,
         ...]`), both on their way to the host; only scores and samples leave the device."""
-        if self.mesh_step is not None:
-            raise ValueError("prompt_logprobs: runs on one device for now (not on a mesh)")
         batch, row_of, _, n_pages = self._batch([work], page_table, 1, tokens)
         padded = np.zeros((1, tokens), np.int32)
         padded[0, :len(targets)] = targets
         head = None if sample is None else Sampler(sample.num_logprobs)
-        key = step_key("prefill+prompt_logprobs", 1, tokens, n_pages, True, True, head)
+        key = scored_key(num_logprobs, len(batch.slots), tokens, n_pages, head)
         start = time.perf_counter()
+        if self.mesh_step is not None:
+            samples, scores = self._run_scored_on_mesh(batch, row_of, padded, num_logprobs, sample, head)
+            self._record(key, start)
+            return samples, scores
         programs = self._programs
         with jax.profiler.TraceAnnotation(key[0]):
             batch = jax.tree.map(jnp.asarray, batch)
@@ -476,6 +488,28 @@ class ModelRunner:
                 # (the step's expert counts come with the scores: none here, so they count once)
                 samples = PendingSamples(self, out, np.zeros_like(self.expert_load), row_of)
         self._record(key, start)
+        return samples, scores
+
+    def _run_scored_on_mesh(self, batch: StepBatch, row_of: list[int], targets: np.ndarray, num_logprobs: int,
+                            sample: StepSampling | None, head: Sampler | None):
+        """`run_scored` on a mesh: the mesh step with every position's logits (gathered over dp),
+        the scores of the request's row, and with `sample` the mesh sampler on the rows' last
+        positions (split over dp again, `MeshStep.last_logits`)."""
+        mesh = self.mesh_step
+        with jax.profiler.TraceAnnotation("prefill+prompt_logprobs"):
+            self.cache, logits, counts = mesh(self.params, self.cache, batch, all_logits=True, decoder=True)
+            row = mesh.take_row(logits, row_of[0])
+            scores = _mesh_prompt_logprobs(row, mesh.replicate(targets), num_logprobs=num_logprobs)
+            scores = PendingSamples(self, scores, counts, [0])
+            samples = None
+            if sample is not None:
+                B = len(batch.slots)
+                emit = np.zeros((B,), np.bool_)
+                emit[row_of] = sample.emit
+                rows = SampleRows(emit, batch.positions.max(axis=1) + 1, None, sample.allowed_rows(row_of, B))
+                self.sampling, out = mesh.sample(head, mesh.last_logits(logits, batch.last_index), self.sampling,
+                                                 batch.slots, sampler_rows(rows))
+                samples = PendingSamples(self, out, np.zeros_like(self.expert_load), row_of)
         return samples, scores
 
     def _record(self, key: tuple, start: float, note: str = "") -> None:

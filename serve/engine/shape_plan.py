@@ -7,7 +7,8 @@ defaults, where it uses 3). `planned_shapes` runs the engine's own scheduler on 
 bookkeeping and of the requests, and applies the same bucketing as `LLMEngine.step` and
 `ModelRunner.run`, without touching the device, until only decodes are left: the prefill
 shapes that come out are what the real steps will ask for, provided every request runs to its
-`max_tokens` (or the context). The decode shapes are the page buckets each request's decodes
+`max_tokens` (or the context); a request that asked for prompt logprobs adds its scored chunks'
+one-row shapes (`ModelRunner.run_scored`). The decode shapes are the page buckets each request's decodes
 cross (`_decode_buckets`), so early stops never miss one.
 
 A request that stops early (EOS, a stop string) frees its slot sooner, which can move the
@@ -22,8 +23,9 @@ import copy
 import dataclasses
 from collections import deque
 
+from deepinfer.serve.engine.prompt_logprobs import scores_chunk
 from deepinfer.serve.engine.runner import page_bucket, token_bucket
-from deepinfer.serve.engine.scheduler import Scheduler, prefill_passes
+from deepinfer.serve.engine.scheduler import GRANULE, Scheduler, prefill_passes
 from deepinfer.serve.engine.warmup import StepShape, step_shapes
 
 __all__ = ["planned_shapes"]
@@ -98,11 +100,21 @@ def planned_shapes(engine, max_steps: int = 20_000) -> list[StepShape]:
             r.floor = engine.replay_floor(r)
         sampled = list(plan.decode)
         for step in prefill_passes(plan.prefill, cache):
-            emitting = [r for r, n in step.chunks if r.computed + n == r.length]
-            furthest = max(r.computed + n for r, n in step.chunks)
-            shapes[StepShape("prefill", step.rows, token_bucket(max(n for _, n in step.chunks)),
-                             page_bucket(layout, furthest, engine.runner.min_page_tokens), step.decoder,
-                             logprobs=step.decoder and _wants_logprobs(emitting))] = None
+            # (as `LLMEngine._dispatch`: a chunk scored for prompt logprobs is a step of its own)
+            group = [(r, n) for r, n in step.chunks if not scores_chunk(r)]
+            for r, n in step.chunks:
+                if scores_chunk(r):
+                    ends = r.computed + n == r.length
+                    shapes[StepShape("scored", 1, token_bucket(n, GRANULE), page_bucket(
+                        layout, r.computed + n, engine.runner.min_page_tokens), True,
+                        logprobs=ends and r.params.logprobs is not None, prompt_logprobs=r.params.prompt_logprobs,
+                        samples=ends)] = None
+            if group:
+                emitting = [r for r, n in group if r.computed + n == r.length]
+                furthest = max(r.computed + n for r, n in group)
+                shapes[StepShape("prefill", step.rows, token_bucket(max(n for _, n in group)),
+                                 page_bucket(layout, furthest, engine.runner.min_page_tokens), step.decoder,
+                                 logprobs=step.decoder and _wants_logprobs(emitting))] = None
             for r, n in step.chunks:
                 r.computed += n
                 scheduler.publish(r)

@@ -39,7 +39,8 @@ from typing import Callable
 import numpy as np
 
 from deepinfer.serve.engine import sampling_state
-from deepinfer.serve.engine.runner import ChunkWork, StepSampling, page_buckets, row_bucket, step_key, token_bucket
+from deepinfer.serve.engine.runner import (ChunkWork, StepSampling, page_buckets, row_bucket, scored_key, step_key,
+                                          token_bucket)
 from deepinfer.serve.engine.sampler import Sampler
 from deepinfer.serve.engine.scheduler import GRANULE, widest_tokens
 from deepinfer.serve.engine.types import MAX_LOGPROBS
@@ -51,9 +52,10 @@ log = logging.getLogger("deepinfer.engine")
 
 @dataclass(frozen=True)
 class StepShape:
-    """One compiled bucket. kind: "prefill" | "decode"; rows: prefill rows per dp rank (decode:
-    all slots); tokens: chunk tokens (1 for decode); pages: page-table columns; decoder: the
-    decoder layers run (prefill; and then the step samples)."""
+    """One compiled bucket. kind: "prefill" | "decode" | "scored" (a prompt chunk of a request
+    that asked for prompt logprobs: one row, `ModelRunner.run_scored`); rows: prefill rows per
+    dp rank (decode: all slots); tokens: chunk tokens (1 for decode); pages: page-table columns;
+    decoder: the decoder layers run (prefill; and then the step samples)."""
 
     kind: str
     rows: int
@@ -61,9 +63,14 @@ class StepShape:
     pages: int = 0
     decoder: bool = True
     logprobs: bool = False  # the sampler also returns logprobs and top-k (a program of its own)
+    # a scored chunk: its prompt logprobs' k, and whether it samples (it ends the request's input)
+    prompt_logprobs: int | None = None
+    samples: bool = True
 
     def __str__(self) -> str:
         extra = ("" if self.decoder else ", encoder only") + (", with logprobs" if self.logprobs else "")
+        if self.kind == "scored":
+            extra += f", {self.prompt_logprobs} prompt logprobs" + ("" if self.samples else ", no sample")
         return f"{self.kind} {self.rows} rows x {self.tokens} tokens x {self.pages} pages{extra}"
 
 
@@ -138,6 +145,10 @@ def _run_step(engine, shape: StepShape) -> None:
     floor = 0 if shape.decoder else end + ec.keep_tokens  # encoder-only: the chunk is below the floor
     table, work = _dummy_rows(engine, shape.rows, end, n, floor)
     sample = StepSampling([False] * len(work), _logprobs(shape)) if shape.decoder else None  # no token kept
+    if shape.kind == "scored":
+        engine.runner.run_scored(work[0], table, tokens=shape.tokens, targets=np.zeros(n, np.int32),
+                                 num_logprobs=shape.prompt_logprobs, sample=sample if shape.samples else None)
+        return
     if shape.kind == "decode" and engine.speculative is not None:  # decodes run as verify steps
         for width in engine.verify_widths():
             if not _verify_compiled(engine, shape, width):
@@ -219,8 +230,12 @@ def _is_compiled(engine, shape: StepShape) -> bool:
         if not engine.decodes_plainly():
             return True
     head = Sampler(_logprobs(shape)) if shape.decoder else None
-    key = step_key(shape.kind, shape.rows * engine.cache.layout.dp, shape.tokens, shape.pages, False, shape.decoder,
-                   head)
+    if shape.kind == "scored":
+        key = scored_key(shape.prompt_logprobs, engine.cache.layout.dp, shape.tokens, shape.pages,
+                         head if shape.samples else None)
+    else:
+        key = step_key(shape.kind, shape.rows * engine.cache.layout.dp, shape.tokens, shape.pages, False,
+                       shape.decoder, head)
     return key in engine.runner.compile_seconds
 
 

@@ -1,7 +1,7 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs`, `serve/engine/prompt_logprobs.py`): every prompt
 token's raw log-probability and rank, and the top alternatives, equal the full forward's over a
 prompt of three prefill chunks, also when the prompt's pages are in the prefix cache (a scored
-request reads none) and in compact prefill (it computes every token with the decoder)."""
+request reads none), in compact prefill (it computes every token with the decoder) and on a mesh."""
 
 import numpy as np
 import pytest
@@ -89,6 +89,34 @@ def test_prompt_logprobs_equal_the_full_forward(model):
     assert len(bare) == 40 and all(len(e) == 1 and PROMPT[p] in e for p, e in enumerate(bare) if p)
     assert all(abs(bare[p][PROMPT[p]].logprob - ref[p - 1, PROMPT[p]]) < atol for p in range(1, min(40, upto + 1)))
 
+    top2 = np.sort(logits[-1])[-2:]
+    if upto == len(PROMPT) and top2[1] - top2[0] > 2 * atol:
+        assert out["scored"].outputs[0].token_ids[0] == int(logits[-1].argmax())
+
+
+def test_prompt_logprobs_on_a_mesh_equal_the_full_forward(model):
+    """On a mesh (dp=2, cp=2, tp=2: the scored chunks split over cp, the sampler shard-mapped) the
+    same 300-token prompt's logprobs equal the forward's, next to a request that asks for none on
+    the other rank; the scored request's first token is the forward's argmax (where no near-tie
+    can flip it)."""
+    from deepinfer.sharding import make_mesh
+
+    config, params, tokenizer = model
+    engine = LLMEngine(params, config, tokenizer, EngineConfig(
+        budget=CacheBudget(num_slots=4, max_model_len=512, page_size=64), prefill_chunk=128),
+        mesh=make_mesh("dp=2,cp=2,tp=2"))
+    greedy = dict(temperature=0.0, max_tokens=2, ignore_eos=True)
+    out = _run(engine, [("scored", PROMPT, SamplingParams(prompt_logprobs=2, **greedy)),
+                        ("plain", PROMPT[:70], SamplingParams(**greedy))])
+    assert sorted(engine.cache.rank_of(s) for s in (0, 2)) == [0, 1]  # (two ranks of two slots)
+    assert out["plain"].prompt_logprobs is None and len(out["plain"].outputs[0].token_ids) == 2
+
+    logits = np.asarray(forward(params, config, np.asarray([PROMPT])), np.float64)[0]
+    top = logits.max(-1, keepdims=True)
+    ref = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    upto = near_tie_finder(config, params, NEAR_TIE)(PROMPT)
+    atol = 2 * TOLERANCE * np.abs(logits).max()
+    _check_against(out["scored"].prompt_logprobs, PROMPT, ref, 2, upto, atol)
     top2 = np.sort(logits[-1])[-2:]
     if upto == len(PROMPT) and top2[1] - top2[0] > 2 * atol:
         assert out["scored"].outputs[0].token_ids[0] == int(logits[-1].argmax())

@@ -296,3 +296,42 @@ def test_a_dry_run_too_long_to_finish_plans_every_reachable_shape(model):
     capped = set(planned_shapes(engine, max_steps=3))
     reach = max(len(r.prompt_token_ids) + r.params.max_tokens for r in engine.requests.values())
     assert exact <= capped and set(step_shapes(engine, reach)) <= capped
+
+
+def test_a_warm_up_of_the_planned_shapes_covers_prompt_logprobs(model):
+    """A request that asks for prompt logprobs runs its prompt chunks as one-row scored steps; the
+    dry run plans them (each chunk's token bucket, k, and whether it samples), so after the
+    warm-up of the planned shapes (what `LLM.generate` runs) it and a plain request beside it,
+    whose prefill runs in the step of the scored request's last chunk, compile nothing."""
+    import jax
+    import jax.monitoring
+
+    config, params, tokenizer = model
+    engine = LLMEngine(params, config, tokenizer,
+                       EngineConfig(budget=CacheBudget(num_slots=2, max_model_len=512, page_size=64),
+                                    prefill_chunk=128))
+    greedy = dict(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("scored", [0] + list(range(100, 299)), SamplingParams(prompt_logprobs=2, logprobs=1, **greedy))
+    engine.add_request("plain", [0] + list(range(500, 539)), SamplingParams(**greedy))
+    planned = planned_shapes(engine)
+    assert [str(s) for s in planned if s.kind == "scored"] == [
+        "scored 1 rows x 128 tokens x 8 pages, 2 prompt logprobs, no sample",
+        "scored 1 rows x 128 tokens x 8 pages, with logprobs, 2 prompt logprobs"]
+    compiles = []
+
+    def on_event(name, seconds, **_):
+        if name in COMPILE_EVENTS:
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        report = warm_up(engine, shapes=planned)
+        assert set(report.shapes) == set(planned) and compiles
+        compiles.clear()
+        out = {}
+        while engine.has_unfinished():
+            out.update((o.request_id, o) for o in engine.step())
+        assert len(out["scored"].prompt_logprobs) == 200 and len(out["plain"].outputs[0].token_ids) == 3
+        assert compiles == [], f"{len(compiles)} compilation(s) after the warm-up"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
