@@ -6,10 +6,12 @@ Input, one request per line::
 
 `url` is `/v1/chat/completions` (body: `messages`, optional `tools`, `tool_choice`,
 `response_format`, `thinking` / `reasoning_effort` / vLLM's `chat_template_kwargs`, and the
-sampling fields) or `/v1/completions` (body: `prompt` as text or token ids, and the sampling
-fields). Sampling fields: OpenAI's `max_tokens` / `max_completion_tokens`, `temperature`,
-`top_p`, `stop`, `seed`, `logprobs` / `top_logprobs`, `presence_penalty`, `frequency_penalty`,
-`logit_bias`, `n` (one choice per sample), plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
+sampling fields) or `/v1/completions` (body: `prompt` as text or token ids, `echo`, and the
+sampling fields; vLLM's `echo`: the prompt's text, and with `logprobs` its tokens' logprobs, come
+before the completion's; `max_tokens: 0` with `echo` scores the prompt only). Sampling fields:
+OpenAI's `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `stop`, `seed`,
+`logprobs` / `top_logprobs`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `n` (one
+choice per sample), plus vLLM's extras (`top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
 `skip_special_tokens`, `spaces_between_special_tokens`).
 
@@ -102,18 +104,24 @@ def _chat_logprobs(llm: LLM, completion: CompletionOutput, k: int | None) -> dic
     return {"content": content}
 
 
-def _completion_logprobs(llm: LLM, completion: CompletionOutput, k: int | None) -> dict | None:
-    if completion.logprobs is None:
-        return None
+def _completion_logprobs(llm: LLM, token_ids: list[int], entries: list, k: int | None, echoed: int = 0) -> dict:
+    """OpenAI's completion logprobs of `token_ids`, from their `{token: Logprob}` entries (None:
+    no score, the first prompt token of an echo: its logprob and top are null). The first
+    `echoed` tokens are the prompt's: the echoed text leaves out special tokens (BOS), so their
+    `text_offset`s advance by what they show there."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = 0
-    for token_id, entry in zip(completion.token_ids, completion.logprobs):
-        chosen = entry[token_id]
-        text = chosen.decoded_token if chosen.decoded_token is not None else llm.tokenizer.decode([token_id])
+    for i, (token_id, entry) in enumerate(zip(token_ids, entries)):
+        chosen = None if entry is None else entry[token_id]
+        text = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None \
+            else llm.tokenizer.decode([token_id], skip_special_tokens=False)
         tokens.append(text)
-        token_logprobs.append(chosen.logprob)
+        token_logprobs.append(None if chosen is None else chosen.logprob)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(llm.tokenizer.decode([token_id]) if i < echoed else text)
+        if entry is None:
+            top_logprobs.append(None)
+            continue
         ranked = sorted(((lp.rank or 0, tid, lp) for tid, lp in entry.items() if (lp.rank or 0) >= 1),
                         key=lambda x: x[0])
         top = {}
@@ -124,10 +132,35 @@ def _completion_logprobs(llm: LLM, completion: CompletionOutput, k: int | None) 
             "text_offset": offsets}
 
 
-def _usage(output: RequestOutput, reasoning_tokens: int | None = None) -> dict:
-    """OpenAI's usage: the prompt once, the tokens of every choice."""
+def _completion_choice(llm: LLM, line: Line, output: RequestOutput, completion: CompletionOutput) -> dict:
+    """One choice of a text completion; with `echo` (vLLM's), the prompt's text and, when logprobs
+    were asked, its tokens' logprobs come first (`echo_only`: nothing else)."""
+    k, echoed = line.sampling.logprobs, 0
+    token_ids = [] if line.echo_only else list(completion.token_ids)
+    entries = None if completion.logprobs is None else ([] if line.echo_only else list(completion.logprobs))
+    text = "" if line.echo_only else completion.text
+    if line.echo:
+        prompt_ids = list(output.prompt_token_ids or ())
+        prompt_text = line.prompt_text if line.prompt_text is not None else llm.tokenizer.decode(prompt_ids)
+        text = prompt_text + text
+        if entries is not None:
+            if output.prompt_logprobs is None:
+                raise ValueError("echo: the prompt's logprobs are missing")
+            token_ids, entries = prompt_ids + token_ids, list(output.prompt_logprobs) + entries
+            echoed = len(prompt_ids)
+    return {
+        "index": completion.index,
+        "text": text,
+        "logprobs": None if entries is None else _completion_logprobs(llm, token_ids, entries, k, echoed),
+        "finish_reason": completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
+
+
+def _usage(output: RequestOutput, reasoning_tokens: int | None = None, echo_only: bool = False) -> dict:
+    """OpenAI's usage: the prompt once, the tokens of every choice (none shown: `echo_only`)."""
     prompt = len(output.prompt_token_ids or ())
-    completion = sum(len(c.token_ids) for c in output.outputs)
+    completion = 0 if echo_only else sum(len(c.token_ids) for c in output.outputs)
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                              "total_tokens": prompt + completion}
     if reasoning_tokens is not None:
@@ -171,14 +204,8 @@ def _completion_body(llm: LLM, line: Line, output: RequestOutput) -> dict:
         "object": "text_completion",
         "created": int(time.time()),
         "model": llm.model_name,
-        "choices": [{
-            "index": completion.index,
-            "text": completion.text,
-            "logprobs": _completion_logprobs(llm, completion, line.sampling.logprobs),
-            "finish_reason": completion.finish_reason,
-            "stop_reason": completion.stop_reason,
-        } for completion in output.outputs],
-        "usage": _usage(output),
+        "choices": [_completion_choice(llm, line, output, completion) for completion in output.outputs],
+        "usage": _usage(output, echo_only=line.echo_only),
     }
 
 

@@ -50,6 +50,10 @@ class Line:
     request_id: str | None = None
     chat_prompt: ChatPrompt | None = None
     prompt_text: str | None = None  # a completion's text prompt (None for token ids and chat)
+    # a completion's `echo`: the prompt comes back before the generated text (and with `logprobs`,
+    # its tokens' logprobs before theirs); `echo_only` (max_tokens 0): nothing but the prompt
+    echo: bool = False
+    echo_only: bool = False
     prompt_ids: list[int] | None = None
     sampling: SamplingParams | None = None
     # the request field its structured-output constraint came from, when not `structured_outputs`
@@ -271,8 +275,14 @@ def _response_format(line: Line, body: Mapping[str, Any], sampling: SamplingPara
 
 def _prepare_completion(llm: LLM, line: Line, body: Mapping[str, Any]) -> tuple[str | None, list[int], SamplingParams]:
     _check_fields(body, _COMPLETION_FIELDS)
-    if body.get("echo"):
-        raise LineError("echo: echoing the prompt is not supported", "echo")
+    _check_types(body, echo=(bool, "a boolean"))
+    line.echo = bool(body.get("echo"))
+    asked = body.get("max_tokens") if body.get("max_tokens") is not None else body.get("max_completion_tokens")
+    if line.echo and type(asked) is int and asked == 0:
+        # vLLM's scoring request: the prompt and, with logprobs, its logprobs; nothing generated.
+        # The engine still samples one token (a request ends at a sampled token), never shown
+        line.echo_only = True
+        body = {**body, "max_tokens": 1, "max_completion_tokens": None}
     if body.get("suffix") is not None:
         raise LineError("suffix: not supported", "suffix")
     if body.get("best_of") not in (None, 1):
@@ -285,6 +295,8 @@ def _prepare_completion(llm: LLM, line: Line, body: Mapping[str, Any]) -> tuple[
     _check_types(body, response_format=(Mapping, "an object"))
     # max_tokens defaults to 16, as in OpenAI's and vLLM's completions
     sampling = _response_format(line, body, _sampling(body))
+    if line.echo and sampling.logprobs is not None:  # vLLM: echo with logprobs scores the prompt too
+        sampling = _replace(sampling, prompt_logprobs=sampling.logprobs)
     if isinstance(prompt, str):
         if not prompt:
             raise LineError("prompt: the prompt is empty", "prompt")

@@ -211,3 +211,67 @@ def test_response_format_and_structured_outputs_lines(llm, tmp_path):
     assert "strin" in by_id["bad-schema"]["error"]["message"]
     assert by_id["bad-regex"]["error"]["param"] == "structured_outputs"
     assert "line 4: structured_outputs.regex: " in by_id["bad-regex"]["error"]["message"]
+
+
+def test_completion_echo_returns_the_prompt_and_its_logprobs_first(llm, tmp_path):
+    """vLLM's `echo`: the prompt's text before the completion's, and with `logprobs` the prompt
+    tokens' logprobs (null for the first) before the generated ones; `max_tokens: 0` with echo
+    scores the prompt only. Scores and tokens are those `generate` gives the same request with
+    `prompt_logprobs`."""
+    from deepinfer.serve.api.batch import run_batch
+
+    prompt, ids = "The capital of France is", [0, 791, 6102, 294, 4817]
+    sampling = {"max_tokens": 3, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    rows = [
+        line("plain", COMPLETIONS, {"prompt": prompt, **sampling}),
+        line("echo", COMPLETIONS, {"prompt": prompt, "echo": True, **sampling}),
+        line("echo-no-logprobs", COMPLETIONS, {"prompt": prompt, "echo": True, "max_tokens": 2, "temperature": 0}),
+        line("score-ids", COMPLETIONS, {"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 1}),
+        line("echo-not-bool", COMPLETIONS, {"prompt": prompt, "echo": "yes"}),
+        line("zero-no-echo", COMPLETIONS, {"prompt": prompt, "max_tokens": 0}),
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    run_batch(llm, src, dst, use_tqdm=False)
+    by_id = {row["custom_id"]: row for row in read(dst)}
+
+    echo_body = by_id["echo"]["response"]["body"]
+    echo = echo_body["choices"][0]
+    prompt_ids = llm.encode_prompt(prompt)
+    n = len(prompt_ids)
+    # the reference: the same request through generate, asking for the prompt's logprobs (a
+    # scored prefill: the same programs as the echo line, so the same bits)
+    ref = llm.generate({"prompt_token_ids": prompt_ids},
+                       SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert echo["text"] == prompt + ref.outputs[0].text
+    assert echo_body["usage"] == by_id["plain"]["response"]["body"]["usage"]  # echo adds no generated tokens
+    lp = echo["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + 3
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    entries = [*ref.prompt_logprobs[1:], *ref.outputs[0].logprobs]
+    chosen = [*prompt_ids[1:], *ref.outputs[0].token_ids]
+    assert lp["token_logprobs"][1:] == [entry[token].logprob for entry, token in zip(entries, chosen)]
+    for i, entry in enumerate(entries, start=1):
+        top = sorted((lp_.rank, lp_.logprob) for lp_ in entry.values() if lp_.rank <= 2)
+        assert sorted(lp["top_logprobs"][i].values(), reverse=True) == [v for _, v in top]
+    # text offsets index the echoed text: the prompt's tokens (BOS shows nothing), then the generated ones
+    text, offsets = echo["text"], lp["text_offset"]
+    assert offsets[0] == offsets[1] == 0 and offsets[n] == len(prompt)
+    for i in range(1, n - 1):
+        assert text[offsets[i]:offsets[i + 1]] == llm.tokenizer.decode([prompt_ids[i]])
+
+    bare = by_id["echo-no-logprobs"]["response"]["body"]["choices"][0]
+    assert bare["logprobs"] is None and bare["text"].startswith(prompt) and len(bare["text"]) > len(prompt)
+
+    score_body = by_id["score-ids"]["response"]["body"]
+    score = score_body["choices"][0]
+    assert score["text"] == llm.tokenizer.decode(ids)
+    assert score_body["usage"]["completion_tokens"] == 0 and score_body["usage"]["prompt_tokens"] == len(ids)
+    assert len(score["logprobs"]["tokens"]) == len(ids) and score["logprobs"]["token_logprobs"][0] is None
+    assert all(v <= 0 for v in score["logprobs"]["token_logprobs"][1:])
+
+    assert by_id["echo-not-bool"]["error"]["param"] == "echo"
+    assert "boolean" in by_id["echo-not-bool"]["error"]["message"]
+    assert by_id["zero-no-echo"]["error"]["param"] == "max_tokens"
+    assert not llm.engine.has_unfinished()
