@@ -133,7 +133,8 @@ def add_compilation_cache_options(p, env: EnvDefaults) -> None:
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """LLM keyword arguments from the engine options; the YOCO settings fall back to the environment."""
     env: EnvDefaults = getattr(args, "env", None) or EnvDefaults()
-    for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk", "max_num_batched_tokens"):
+    for name in ("max_model_len", "max_num_seqs", "page_size", "prefill_chunk", "max_num_batched_tokens",
+                 "min_page_bucket_tokens"):
         value = getattr(args, name)
         if value < 1:
             raise CliError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -151,6 +152,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "mesh": args.mesh, "eplb_interval": args.eplb_interval, "eplb_slots": args.eplb_slots,
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs, "page_size": args.page_size,
         "prefill_chunk": args.prefill_chunk, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "min_page_bucket_tokens": args.min_page_bucket_tokens,
         "num_pages": args.num_pages, "fake_quant": not args.no_fake_quant,
         "dtype": args.dtype,
         "prefill_mode": mode, "keep_tokens": keep, "seed": args.seed if args.seed is not None else 0,
@@ -210,6 +212,9 @@ def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
                    help="most prompt tokens per prefill step, a multiple of 128 (default 512)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                    help="most tokens per step: decodes plus the prefill chunks of several prompts (default 2048)")
+    p.add_argument("--min-page-bucket-tokens", type=int, default=2048, metavar="N",
+                   help="the narrowest page table a step reads covers N tokens: shorter contexts read it too; "
+                        "larger N compiles fewer step shapes (default 2048)")
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the QAT fake-quantization of KV and indexer activations")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="activation dtype (default: the checkpoint's)")

@@ -336,6 +336,7 @@ def test_generate_summarises_speculative_decoding():
         (["generate", "--prompt", "x", "--model", "/no/such/dir"], {}, ["/no/such/dir"]),
         (["generate", "--prompt", "x", "--prefill-chunk", "100"], {}, ["--prefill-chunk", "128"]),
         (["generate", "--prompt", "x", "--max-num-batched-tokens", "100"], {}, ["max_num_batched_tokens", "135"]),
+        (["generate", "--prompt", "x", "--min-page-bucket-tokens", "0"], {}, ["--min-page-bucket-tokens"]),
         (["run-batch", "-i", "/no/such/in.jsonl", "-o", "/tmp/out.jsonl"], {}, ["/no/such/in.jsonl"]),
         (["generate", "--prompt", "x", "--regex", "a", "--choice", "b"], {}, ["at most one of"]),
         (["generate", "--prompt", "x", "--json-schema", "/no/such/schema.json"], {},
@@ -476,3 +477,14 @@ def test_speculative_config_option_is_checked_by_name():
         settings('{"num_speculative_tokens": 0}')
     assert engine_settings(build_parser(EnvDefaults()).parse_args(
         ["generate", "--prompt", "x", "--no-compilation-cache"]))["speculative_config"] is None
+
+
+def test_min_page_bucket_tokens_option_reaches_the_llm_arguments():
+    from deepinfer.serve.engine_args import engine_settings
+
+    def settings(*extra):
+        return engine_settings(build_parser(EnvDefaults()).parse_args(
+            ["generate", "--prompt", "x", "--no-compilation-cache", *extra]))
+
+    assert settings()["min_page_bucket_tokens"] == 2048  # EngineConfig's default
+    assert settings("--min-page-bucket-tokens", "256")["min_page_bucket_tokens"] == 256

@@ -94,7 +94,8 @@ log = logging.getLogger("deepinfer.llm")
 
 _KNOWN_ARGS = (
     "model", "tokenizer", "seed", "max_model_len", "max_num_seqs", "page_size", "num_pages",
-    "prefill_chunk", "max_num_batched_tokens", "dtype", "fake_quant", "prefill_mode", "keep_tokens", "log_stats_interval",
+    "prefill_chunk", "max_num_batched_tokens", "min_page_bucket_tokens", "dtype", "fake_quant", "prefill_mode",
+    "keep_tokens", "log_stats_interval",
     "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context", "accelerator",
     "compilation_cache", "warmup", "async_scheduling", "speculative_config", "deterministic",
     "enable_prefix_caching", "prefix_replay", "prefix_cache_host_pages", "prefix_cache_dir",
@@ -153,6 +154,10 @@ class LLM:
         prefill_chunk: most prompt tokens per prefill step (a multiple of 128).
         max_num_batched_tokens: most tokens per step (and dp rank): the decodes plus the prefill
             chunks of several prompts, and the prefill step's padded rows x tokens.
+        min_page_bucket_tokens: the narrowest page table a step reads covers this many tokens;
+            shorter sequences read it too (their padding pages are skipped). Larger: fewer step
+            shapes to compile (one per doubling of the context above it), smaller: cheaper steps
+            for short contexts.
         dtype: activation dtype override ("float32" or "bfloat16"); None keeps the checkpoint's.
         fake_quant: the QAT fake-quantization of KV and indexer activations.
         prefill_mode, keep_tokens: YOCO prefill truncation (`model-v4.1-flash.md` §4.3):
@@ -224,6 +229,7 @@ class LLM:
         num_pages: int | None = None,
         prefill_chunk: int = 512,
         max_num_batched_tokens: int = 2048,
+        min_page_bucket_tokens: int = 2048,
         dtype: str | None = None,
         fake_quant: bool = True,
         prefill_mode: str = "compact",
@@ -286,6 +292,7 @@ class LLM:
         if self.mesh is not None and max_num_seqs % self.mesh.shape["dp"]:
             raise ValueError(f"max_num_seqs: {max_num_seqs} must be a multiple of the mesh's dp={self.mesh.shape['dp']}")
         positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        positive_int("min_page_bucket_tokens", min_page_bucket_tokens)
         check_token_budget(max_num_batched_tokens, max_num_seqs // (1 if self.mesh is None else self.mesh.shape["dp"]))
         directory, self.model_name = resolve_model(model, cache_dir)
         self.model_dir = directory
@@ -323,6 +330,7 @@ class LLM:
                              num_pages=num_pages)
         engine_config = EngineConfig(budget=budget, prefill_chunk=prefill_chunk, seed=seed,
                                      max_num_batched_tokens=max_num_batched_tokens,
+                                     min_page_bucket_tokens=min_page_bucket_tokens,
                                      prefill_mode=prefill_mode, keep_tokens=keep_tokens,
                                      eplb_interval=eplb_interval, eplb_slots=eplb_slots,
                                      drafter_context=drafter_context, kernels=self.accelerator.kernel_config(),

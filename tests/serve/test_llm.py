@@ -125,14 +125,17 @@ def test_unknown_argument_and_bad_settings_name_the_field(cache_dir):
         LLM(MODEL, cache_dir=cache_dir, prefill_chunk=100)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(100\).*at least 135"):
         LLM(MODEL, cache_dir=cache_dir, max_num_batched_tokens=100)
+    with pytest.raises(ValueError, match="^min_page_bucket_tokens"):
+        LLM(MODEL, cache_dir=cache_dir, min_page_bucket_tokens=0)
 
 
 def test_prefill_settings_reach_the_engine(cache_dir):
     from deepinfer import LLM
 
     other = LLM(MODEL, cache_dir=cache_dir, **{**SMALL, "prefill_mode": "compact"}, keep_tokens=150,
-                max_num_batched_tokens=1024)
+                max_num_batched_tokens=1024, min_page_bucket_tokens=256)
     assert other.engine.engine_config.prefill_mode == "compact"
+    assert other.engine.engine_config.min_page_bucket_tokens == other.engine.runner.min_page_tokens == 256
     assert other.engine.scheduler.max_num_batched_tokens == 1024
     assert other.engine.engine_config.keep_tokens == 150
 
