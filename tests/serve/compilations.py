@@ -11,6 +11,8 @@ step programs: whichever test runs second loads them from the run's cache instea
 them (~100 s of CPU).
 """
 
+import contextlib
+
 from deepinfer.serve.engine.cache import CacheBudget
 from deepinfer.serve.engine.engine import EngineConfig
 
@@ -24,3 +26,22 @@ COMPILE_EVENTS = (
 # 1 and 2 prefill rows and a decode per bucket
 WARM_ENGINE = EngineConfig(budget=CacheBudget(num_slots=2, max_model_len=128, page_size=64), prefill_chunk=128,
                            min_page_bucket_tokens=64)
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """A list that collects the duration of every compilation (or persistent-cache load) while
+    the block runs."""
+    import jax.monitoring
+
+    compiles: list[float] = []
+
+    def on_event(name, seconds, **_):
+        if name in COMPILE_EVENTS:
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)

@@ -25,7 +25,7 @@ from deepinfer.serve.engine.engine import LLMEngine
 from deepinfer.serve.grpc import deepinfer_engine_pb2 as pb
 from deepinfer.serve.grpc import deepinfer_engine_pb2_grpc as pb_grpc
 from deepinfer.serve.grpc.server import SERVICE_NAME, LoadedModel, ServerSettings, ServerThread
-from tests.serve.compilations import COMPILE_EVENTS, WARM_ENGINE
+from tests.serve.compilations import WARM_ENGINE, counting_compiles
 from tests.serve.grpc_harness import (BUDGET, GRPC_DIR, cache_state, collect, health_status, list_services, make_engine,
                                       prompt_ids, request, slow_steps, wait_released)
 from tests.serve.grpc_harness import model, server, channel, stub, reference  # noqa: F401 - the shared fixtures
@@ -623,8 +623,6 @@ def test_duplicate_request_id_is_refused(server, stub):
 def test_warmup_compiles_before_serving(model):
     """SERVING (and warmup_complete) only once every shape is compiled; then a prompt that crosses
     a page bucket, greedy and sampled, compiles nothing."""
-    import jax.monitoring
-
     config, params, tokenizer = model
     engine = LLMEngine(params, config, tokenizer, WARM_ENGINE)
     proceed = threading.Event()
@@ -635,40 +633,33 @@ def test_warmup_compiles_before_serving(model):
         return original_run(*args, **kwargs)
 
     engine.runner.run = gated_run
-    compiles = []
-
-    def on_event(name, seconds, **_):
-        if name in COMPILE_EVENTS:
-            compiles.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
     srv = ServerThread(LoadedModel(engine, model_name="warm"), ServerSettings(port=0))
     try:
-        port = srv.start()
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stub = pb_grpc.LlmEngineStub(ch)
-            info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
-            deadline = time.monotonic() + 60
-            while info.warmup_shapes_total == 0:  # the driver is still building the engine's limits
-                assert time.monotonic() < deadline
+        with counting_compiles() as compiles:
+            port = srv.start()
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb_grpc.LlmEngineStub(ch)
                 info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
-            assert not info.warmup_complete and (info.warmup_shapes_done, info.warmup_shapes_total) == (0, 6)
-            assert health_status(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
-            proceed.set()
-            assert srv.wait_ready(600), srv.server.load_error
-            del engine.runner.run
-            info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
-            assert info.warmup_complete and info.warmup_shapes_done == info.warmup_shapes_total == 6
-            assert (info.free_pages, info.free_slots) == (info.total_pages, info.total_slots)
-            assert engine.stats["steps"] == 0 and srv.server.metrics.snapshot()["vllm:prompt_tokens"] == 0
-            compiles.clear()
-            for seed, sampling in ((1, dict(temperature=0.0)), (2, dict(temperature=0.7, seed=5)),
-                                   (3, dict(temperature=0.7, top_p=0.9, top_k=20))):
-                _, complete, error = collect(stub, request(prompt_ids(60, seed), max_new_tokens=20, ignore_eos=True,
-                                                           **sampling))
-                assert error is None and complete.completion_tokens == 20  # ends on the second page
-            assert compiles == [], f"{len(compiles)} compilation(s) after the warm-up"
+                deadline = time.monotonic() + 60
+                while info.warmup_shapes_total == 0:  # the driver is still building the engine's limits
+                    assert time.monotonic() < deadline
+                    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+                assert not info.warmup_complete and (info.warmup_shapes_done, info.warmup_shapes_total) == (0, 6)
+                assert health_status(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
+                proceed.set()
+                assert srv.wait_ready(600), srv.server.load_error
+                del engine.runner.run
+                info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=30)
+                assert info.warmup_complete and info.warmup_shapes_done == info.warmup_shapes_total == 6
+                assert (info.free_pages, info.free_slots) == (info.total_pages, info.total_slots)
+                assert engine.stats["steps"] == 0 and srv.server.metrics.snapshot()["vllm:prompt_tokens"] == 0
+                compiles.clear()
+                for seed, sampling in ((1, dict(temperature=0.0)), (2, dict(temperature=0.7, seed=5)),
+                                       (3, dict(temperature=0.7, top_p=0.9, top_k=20))):
+                    _, complete, error = collect(stub, request(prompt_ids(60, seed), max_new_tokens=20,
+                                                               ignore_eos=True, **sampling))
+                    assert error is None and complete.completion_tokens == 20  # ends on the second page
+                assert compiles == [], f"{len(compiles)} compilation(s) after the warm-up"
     finally:
         proceed.set()
-        jax.monitoring.unregister_event_duration_listener(on_event)
         srv.shutdown(grace=0)

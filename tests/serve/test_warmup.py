@@ -29,7 +29,7 @@ from deepinfer.serve.engine.runner import page_bucket, page_buckets
 from deepinfer.serve.engine.shape_plan import planned_shapes
 from deepinfer.serve.engine.types import MAX_LOGPROBS
 from deepinfer.serve.engine.warmup import pending_shapes, step_shapes, warm_up
-from tests.serve.compilations import COMPILE_EVENTS, WARM_ENGINE
+from tests.serve.compilations import WARM_ENGINE, counting_compiles
 
 BUDGET = CacheBudget(num_slots=4, max_model_len=1024, page_size=64)
 
@@ -255,19 +255,11 @@ def test_nothing_compiles_after_the_warm_up(model):
     test_grpc.py's warm-up test (`WARM_ENGINE`: the run compiles its programs once); the programs
     this process holds are dropped first, so the warm-up loads or compiles every one of them."""
     import jax
-    import jax.monitoring
 
     config, params, tokenizer = model
     jax.clear_caches()
     engine = LLMEngine(params, config, tokenizer, WARM_ENGINE)
-    compiles = []
-
-    def on_event(name, seconds, **_):
-        if name in COMPILE_EVENTS:
-            compiles.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with counting_compiles() as compiles:
         report = warm_up(engine)
         assert compiles, "the warm-up compiled nothing: the listener hears no compilation"
         assert {s.pages for s in report.shapes if s.kind == "decode"} == {1, 2}
@@ -283,8 +275,6 @@ def test_nothing_compiles_after_the_warm_up(model):
             finished.update({o.request_id: o for o in engine.step()})
         assert {rid: len(o.outputs[0].token_ids) for rid, o in finished.items()} == {"r0": 50, "r1": 20, "r2": 3}
         assert compiles == [], f"{len(compiles)} compilation(s) after the warm-up"
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
 
 
 def test_a_dry_run_too_long_to_finish_plans_every_reachable_shape(model):
@@ -303,9 +293,6 @@ def test_a_warm_up_of_the_planned_shapes_covers_prompt_logprobs(model):
     dry run plans them (each chunk's token bucket, k, and whether it samples), so after the
     warm-up of the planned shapes (what `LLM.generate` runs) it and a plain request beside it,
     whose prefill runs in the step of the scored request's last chunk, compile nothing."""
-    import jax
-    import jax.monitoring
-
     config, params, tokenizer = model
     engine = LLMEngine(params, config, tokenizer,
                        EngineConfig(budget=CacheBudget(num_slots=2, max_model_len=512, page_size=64),
@@ -317,14 +304,7 @@ def test_a_warm_up_of_the_planned_shapes_covers_prompt_logprobs(model):
     assert [str(s) for s in planned if s.kind == "scored"] == [
         "scored 1 rows x 128 tokens x 8 pages, 2 prompt logprobs, no sample",
         "scored 1 rows x 128 tokens x 8 pages, with logprobs, 2 prompt logprobs"]
-    compiles = []
-
-    def on_event(name, seconds, **_):
-        if name in COMPILE_EVENTS:
-            compiles.append(name)
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with counting_compiles() as compiles:
         report = warm_up(engine, shapes=planned)
         assert set(report.shapes) == set(planned) and compiles
         compiles.clear()
@@ -333,5 +313,3 @@ def test_a_warm_up_of_the_planned_shapes_covers_prompt_logprobs(model):
             out.update((o.request_id, o) for o in engine.step())
         assert len(out["scored"].prompt_logprobs) == 200 and len(out["plain"].outputs[0].token_ids) == 3
         assert compiles == [], f"{len(compiles)} compilation(s) after the warm-up"
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
