@@ -25,8 +25,8 @@ Structured output (`serve/structured`): a constrained row's mask needs every tok
 has sampled. When a decode step has such a row whose last token is still in flight, the step runs
 as two programs (`runner.run_split`): the model half is dispatched first, then the host reads the
 previous step, advances the grammars and builds the masks while the device computes, then the
-sampler half is dispatched with them. (On a mesh or with speculative decoding the engine reads
-the previous step first instead.) With jump-forward (`_jump_forward`) the tokens a grammar forces
+sampler half is dispatched with them, on one device or a mesh. (With speculative decoding the
+engine reads the previous step first instead.) With jump-forward (`_jump_forward`) the tokens a grammar forces
 are appended when the request is added and after each step's tokens are read; they are its next
 input, computed as one chunk (a request that jumped while its next decode's model half ran keeps
 no sample of that step).
@@ -151,8 +151,8 @@ class LLMEngine:
         self.warmed_shapes: set = set()  # step shapes `serve.engine.warmup.warm_up` compiled
         self._grammars = None  # the structured-output backend, built for the first constrained request
         # a decode step can run as two programs (`runner.run_split`) where its masks need the
-        # tokens in flight (asynchronous scheduling, one device, no speculative decoding)
-        self._splits = self.async_scheduling and self.speculative is None and mesh is None
+        # tokens in flight (asynchronous scheduling, no speculative decoding)
+        self._splits = self.async_scheduling and self.speculative is None
         # confidence-scheduled verification: a plain decode step's cost and a verify step's per
         # width, profiled now (dummy steps on the idle engine: `warmup.time_decode_steps`) unless
         # the speculative config gives them

@@ -98,8 +98,12 @@ class SplitStep:
         key = step_key(kind, B, 1, self._n_pages, False, True, head)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation(kind):
-            runner.sampling, out = runner._programs.sample_logits(self._logits, runner.sampling, self._slots,
-                                                                  jax.tree.map(jnp.asarray, rows), head=head)
+            if runner.mesh_step is not None:
+                runner.sampling, out = runner.mesh_step.sample(head, self._logits, runner.sampling, self._slots,
+                                                               sampler_rows(rows))
+            else:
+                runner.sampling, out = runner._programs.sample_logits(self._logits, runner.sampling, self._slots,
+                                                                      jax.tree.map(jnp.asarray, rows), head=head)
         runner._record(key, start)
         pending = PendingSamples(runner, out, self._counts, self._row_of)
         self._logits = self._counts = None
@@ -523,9 +527,8 @@ class ModelRunner:
     def run_split(self, work: list[ChunkWork], page_table: np.ndarray) -> SplitStep:
         """Dispatch a decode step's model half (`device_step.step_logits`: every slot a row, one
         token each, placeholders allowed) without sampling; `SplitStep.sample` then dispatches
-        its sampler, with settings (masks) the host may build meanwhile. One device only."""
-        if self.mesh_step is not None:
-            raise ValueError("a split decode step runs on one device (no mesh)")
+        its sampler, with settings (masks) the host may build meanwhile. On a mesh the same two
+        programs shard-mapped (`MeshStep.step_logits`, `MeshStep.sample`)."""
         batch, row_of, folds, n_pages = self._batch(work, page_table, self.layout.slots_per_rank, 1)
         B = batch.tokens.shape[0]
         if folds is not None:
@@ -537,10 +540,17 @@ class ModelRunner:
         key = step_key("decode/model", B, 1, n_pages, False, True, None)
         start = time.perf_counter()
         with jax.profiler.TraceAnnotation("decode/model"):
-            batch_d, rows_d = jax.tree.map(jnp.asarray, (batch, rows))
-            self.cache, logits, counts = self._programs.logits(self.params, self.cache, self.sampling, batch_d, rows_d)
+            if self.mesh_step is not None:
+                self.cache, logits, counts = self.mesh_step.step_logits(self.params, self.cache, batch, self.sampling,
+                                                                        rows, resolve=Sampler.resolve)
+                slots = batch.slots
+            else:
+                batch_d, rows_d = jax.tree.map(jnp.asarray, (batch, rows))
+                self.cache, logits, counts = self._programs.logits(self.params, self.cache, self.sampling, batch_d,
+                                                                   rows_d)
+                slots = batch_d.slots
         self._record(key, start)
-        return SplitStep(self, logits, counts, batch_d.slots, position, row_of, n_pages)
+        return SplitStep(self, logits, counts, slots, position, row_of, n_pages)
 
     def verify(self, work: list[ChunkWork], page_table: np.ndarray, num_drafts: list[int],
                host_drafts: list[list[int] | None], *, tokens: int, sample: StepSampling) -> VerifyOutput:

@@ -265,3 +265,38 @@ def test_a_mesh_compiles_the_model_once_per_step_shape_whatever_the_sampler_is_a
     assert step.program_counts() == {"logits": 2, "sample": 2}, step.program_counts()
     # (a step where some row wants logprobs computes the top MAX_LOGPROBS for all its rows)
     assert {key[1] for key in step._steps if key[0] == "sample"} == {Sampler(MAX_LOGPROBS), Sampler(None)}
+
+
+def test_structured_output_on_a_mesh_splits_decode_steps_as_on_one_device(model):
+    """Asynchronous scheduling on a mesh: a decode step whose constrained row's last token is in
+    flight runs its model half first and its sampler after the host built the masks (`run_split`,
+    shard-mapped); the tokens are those of the synchronous mesh engine (the same programs), the
+    constrained output is valid, and the model still compiles once per step shape."""
+    from deepinfer.serve.api.types import StructuredOutputsParams
+
+    config, params, tokenizer = model
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 128000, n).tolist() for n in (30, 50)]
+    choices = ["alpha", "beta", "gamma"]
+
+    def run(async_scheduling: bool):
+        engine = LLMEngine(params, config, tokenizer,
+                           EngineConfig(budget=CacheBudget(num_slots=2, max_model_len=256, page_size=64),
+                                        prefill_chunk=128, async_scheduling=async_scheduling),
+                           mesh=make_mesh("dp=2", devices=jax.devices()[:2]))
+        engine.add_request("constrained", prompts[0], SamplingParams(
+            max_tokens=16, temperature=0.0, structured_outputs=StructuredOutputsParams(choice=choices)))
+        engine.add_request("free", prompts[1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        outputs = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0]
+        return engine, outputs
+
+    engine, split = run(True)
+    _, sync = run(False)
+    assert {r: o.token_ids for r, o in split.items()} == {r: o.token_ids for r, o in sync.items()}
+    assert split["constrained"].text in choices and len(split["free"].token_ids) == 8
+    assert {"decode/model", "decode/sampler+masks"} <= {key[0] for key in engine.runner.compile_seconds}
+    assert engine.runner.mesh_step.program_counts()["logits"] == 2  # prefill and decode, masks or not
