@@ -144,6 +144,10 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise CliError(f"--prefix-cache-host-pages must be non-negative, got {args.prefix_cache_host_pages}")
     if (args.prefix_cache_host_pages or args.prefix_cache_dir) and not args.enable_prefix_caching:
         raise CliError("--prefix-cache-host-pages and --prefix-cache-dir need --enable-prefix-caching")
+    if args.prefix_cache_disk_gb is not None and not args.prefix_cache_dir:
+        raise CliError("--prefix-cache-disk-gb needs --prefix-cache-dir")
+    if args.prefix_cache_disk_gb is not None and not 0 < args.prefix_cache_disk_gb < float("inf"):
+        raise CliError(f"--prefix-cache-disk-gb must be a positive number, got {args.prefix_cache_disk_gb}")
     if args.num_pages is not None and args.num_pages < 1:
         raise CliError(f"--num-pages must be at least 1, got {args.num_pages}")
     mode = args.prefill_mode if args.prefill_mode is not None else env.resolved_prefill_mode()
@@ -159,6 +163,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         "async_scheduling": not args.no_async_scheduling, "deterministic": args.deterministic,
         "enable_prefix_caching": args.enable_prefix_caching, "prefix_replay": args.prefix_replay,
         "prefix_cache_host_pages": args.prefix_cache_host_pages, "prefix_cache_dir": args.prefix_cache_dir,
+        "prefix_cache_disk_gb": args.prefix_cache_disk_gb,
         "speculative_config": _speculative_config(args.speculative_config),
         "accelerator": accelerator_name(args), "compilation_cache": compilation_cache_dir(args),
     }
@@ -242,6 +247,9 @@ def add_engine_options(p: argparse.ArgumentParser, env: EnvDefaults) -> None:
                    help="keep up to N prefix-cache pages evicted from the device in host memory (default: 0)")
     p.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
                    help="also keep evicted prefix-cache pages as checksummed files in DIR, for restarts")
+    p.add_argument("--prefix-cache-disk-gb", type=float, default=None, metavar="GIB",
+                   help="keep at most GIB GiB of page files in --prefix-cache-dir, deleting the least recently "
+                        "used first (default: no limit)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='DSpark speculative decoding with the checkpoint\'s drafter, e.g. \'{"method": "dspark", '
                         '"num_speculative_tokens": 5}\' (requests verify that many drafts per step; add '

@@ -98,11 +98,20 @@ _KNOWN_ARGS = (
     "keep_tokens", "log_stats_interval",
     "cache_dir", "mesh", "eplb_interval", "eplb_slots", "drafter_context", "accelerator",
     "compilation_cache", "warmup", "async_scheduling", "speculative_config", "deterministic",
-    "enable_prefix_caching", "prefix_replay", "prefix_cache_host_pages", "prefix_cache_dir",
+    "enable_prefix_caching", "prefix_replay", "prefix_cache_host_pages", "prefix_cache_dir", "prefix_cache_disk_gb",
 )
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+
+def _gib_to_bytes(gib: float | None) -> int | None:
+    """`prefix_cache_disk_gb` in bytes (None: no limit)."""
+    if gib is None:
+        return None
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0 or gib == float("inf"):
+        raise ValueError(f"prefix_cache_disk_gb: must be a positive number of GiB or None, got {gib!r}")
+    return max(1, int(gib * 2**30))
 
 
 def parse_chat_completion(tokenizer: Any, prompt: ChatPrompt, output: RequestOutput, index: int = 0) -> ParsedChat:
@@ -178,6 +187,8 @@ class LLM:
         prefix_cache_host_pages, prefix_cache_dir: the tiers below the device: pages evicted from
             the device are kept in host memory (at most this many) and, with a directory, in
             checksummed files there that outlive the process (one device only).
+        prefix_cache_disk_gb: the most GiB of page files the directory keeps (least recently
+            used deleted first); None: no limit.
         log_stats_interval: seconds between the periodic stats log lines (None: never).
         cache_dir: where an embedded model's checkpoint is written / read.
         mesh: run on many devices: a `jax.sharding.Mesh` with axes ("dp", "cp", "tp"), a spec
@@ -250,6 +261,7 @@ class LLM:
         prefix_replay: str = "bounded",
         prefix_cache_host_pages: int = 0,
         prefix_cache_dir: str | os.PathLike | None = None,
+        prefix_cache_disk_gb: float | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -293,6 +305,8 @@ class LLM:
             raise ValueError(f"max_num_seqs: {max_num_seqs} must be a multiple of the mesh's dp={self.mesh.shape['dp']}")
         positive_int("max_num_batched_tokens", max_num_batched_tokens)
         positive_int("min_page_bucket_tokens", min_page_bucket_tokens)
+        if prefix_cache_disk_gb is not None and prefix_cache_dir is None:
+            raise ValueError("prefix_cache_disk_gb: needs prefix_cache_dir (the disk tier it limits)")
         check_token_budget(max_num_batched_tokens, max_num_seqs // (1 if self.mesh is None else self.mesh.shape["dp"]))
         directory, self.model_name = resolve_model(model, cache_dir)
         self.model_dir = directory
@@ -338,7 +352,8 @@ class LLM:
                                      deterministic=bool(deterministic),
                                      prefix_cache=PrefixCacheConfig(
                                          replay=prefix_replay, host_pages=prefix_cache_host_pages,
-                                         disk_dir=None if prefix_cache_dir is None else os.fspath(prefix_cache_dir))
+                                         disk_dir=None if prefix_cache_dir is None else os.fspath(prefix_cache_dir),
+                                         disk_max_bytes=_gib_to_bytes(prefix_cache_disk_gb))
                                      if enable_prefix_caching else None)
         self.engine = LLMEngine(params, self.config, self.tokenizer, engine_config, mesh=self.mesh)
         self.log_stats_interval = log_stats_interval

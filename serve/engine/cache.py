@@ -260,7 +260,8 @@ class CacheManager:
         through `page_io` (`ModelRunner.read_pages` / `write_pages`)."""
         if self.prefix is None or not (self.prefix.host_pages or self.prefix.disk_dir):
             return
-        disk = None if self.prefix.disk_dir is None else DiskPageStore(self.prefix.disk_dir)
+        disk = None if self.prefix.disk_dir is None else DiskPageStore(self.prefix.disk_dir,
+                                                                       self.prefix.disk_max_bytes)
         self.store = HostPageStore(self.prefix.host_pages, self.prefix.clock, disk)
         self._page_io = page_io
         if self.prefix.host_pages:

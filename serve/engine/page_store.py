@@ -13,8 +13,12 @@ page named by its key: a SHA-256 of the payload, then the payload (the rows and 
 page had then). Pages are queued with their device gather and written once the gather is done
 (`flush`, each engine step; blocking when the engine runs out of work), so the host never waits
 for the step that computes them. A file whose checksum does not match is a miss, and is deleted.
-The host tier holds at most `host_pages` pages and drops its least recently used; the disk tier is
-as large as its directory.
+The host tier holds at most `host_pages` pages and drops its least recently used. The disk tier
+holds at most `max_bytes` of page files (None: as many as the directory takes) and deletes its least
+recently used: it learns the files already there at start, oldest modification first, and a hit
+touches its file, so the order survives a restart (a write cut short leaves a `.tmp` file, deleted
+at start). Each process counts only the files it knows: processes that share a directory can
+together exceed the limit by what the others wrote since they started.
 Keys include a fingerprint of the weights (`params_fingerprint`), so pages of other weights are
 never found.
 """
@@ -26,6 +30,7 @@ import hashlib
 import io
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -92,12 +97,32 @@ class HostPageStore:
 
 
 class DiskPageStore:
-    """Disk tier: one checksummed file per page in `directory`."""
+    """Disk tier: one checksummed file per page in `directory`, at most `max_bytes` of them
+    (None: no limit), least recently used deleted first."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, max_bytes: int | None = None):
         self.directory = os.fspath(directory)
+        self.max_bytes = max_bytes
         os.makedirs(self.directory, exist_ok=True)
         self._queue: list[tuple[bytes, EvictedPages, int, float]] = []
+        # file name -> size, least recently used first; `bytes` is their sum
+        self._files: OrderedDict[str, int] = OrderedDict()
+        self.bytes = 0
+        found = []
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(".page.tmp"):
+                _remove(entry.path)
+            elif entry.name.endswith(".page") and entry.is_file():
+                stat = entry.stat()
+                found.append((stat.st_mtime_ns, entry.name, stat.st_size))
+        for _, name, size in sorted(found):
+            self._files[name] = size
+            self.bytes += size
+        # the modification time this store gives the next file it writes or hits: the wall
+        # clock, but always after every file before (the file system's own clock is coarser)
+        self._mtime_ns = max((mtime for mtime, *_ in found), default=0)
+        self.evictions = 0  # files deleted to stay within `max_bytes`
+        self._evict()
 
     def queue(self, key: bytes, batch: EvictedPages, i: int, deadline: float) -> None:
         """Write the page once its gather is done (`flush`)."""
@@ -115,7 +140,7 @@ class DiskPageStore:
         self._queue = waiting
 
     def path(self, key: bytes) -> str:
-        return os.path.join(self.directory, key.hex() + ".page")
+        return os.path.join(self.directory, self._name(key))
 
     def put(self, key: bytes, rows: Rows, deadline: float) -> None:
         buffer = io.BytesIO()
@@ -128,6 +153,11 @@ class DiskPageStore:
         with open(tmp, "wb") as f:
             f.write(hashlib.sha256(payload).digest() + payload)
         os.replace(tmp, self.path(key))
+        self._touch(key)
+        self._forget(key)
+        self._files[self._name(key)] = 32 + len(payload)
+        self.bytes += 32 + len(payload)
+        self._evict()
 
     def get(self, key: bytes, now: float) -> Rows | None:
         self.flush(block=any(k == key for k, *_ in self._queue))
@@ -136,18 +166,55 @@ class DiskPageStore:
             with open(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
+            self._forget(key)  # (deleted by another process sharing the directory)
             return None
         digest, payload = data[:32], data[32:]
         if hashlib.sha256(payload).digest() != digest:
             log.warning("prefix cache: %s fails its checksum; treated as a miss and deleted", path)
-            os.remove(path)
+            self._delete(key)
             return None
         with np.load(io.BytesIO(payload)) as z:
             if float(z["deadline"]) <= now:
-                os.remove(path)
+                self._delete(key)
                 return None
-            return [z[f"r{i}"].view(jnp.dtype(str(name))).reshape(ast.literal_eval(str(shape)))
+            rows = [z[f"r{i}"].view(jnp.dtype(str(name))).reshape(ast.literal_eval(str(shape)))
                     for i, (name, shape) in enumerate(zip(z["dtypes"], z["shapes"]))]
+        name = self._name(key)
+        if name not in self._files:  # written by another process since this one started
+            self._files[name] = len(data)
+            self.bytes += len(data)
+        self._files.move_to_end(name)
+        self._touch(key)  # most recently used, for the next process too
+        return rows
+
+    def _touch(self, key: bytes) -> None:
+        self._mtime_ns = max(time.time_ns(), self._mtime_ns + 1)
+        os.utime(self.path(key), ns=(self._mtime_ns, self._mtime_ns))
+
+    def _name(self, key: bytes) -> str:
+        return key.hex() + ".page"
+
+    def _forget(self, key: bytes) -> None:
+        self.bytes -= self._files.pop(self._name(key), 0)
+
+    def _delete(self, key: bytes) -> None:
+        self._forget(key)
+        _remove(self.path(key))
+
+    def _evict(self) -> None:
+        """Delete the least recently used files until they fit `max_bytes`."""
+        while self.max_bytes is not None and self.bytes > self.max_bytes and self._files:
+            name, size = self._files.popitem(last=False)
+            self.bytes -= size
+            self.evictions += 1
+            _remove(os.path.join(self.directory, name))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:  # (another process sharing the directory deleted it)
+        pass
 
 
 def params_fingerprint(params) -> bytes:

@@ -49,15 +49,20 @@ class PrefixCacheConfig:
     ttl_seconds: tuple[tuple[str, float], ...] = DEFAULT_TTL_SECONDS
     clock: Callable[[], float] = field(default=time.time, compare=False)
     # tiers below the device (`page_store.py`): pages evicted from the device go to host memory
-    # (at most `host_pages` of them) and, with `disk_dir`, to files there; one device only
+    # (at most `host_pages` of them) and, with `disk_dir`, to files there (at most `disk_max_bytes`
+    # of them, least recently used deleted first; None: no limit); one device only
     host_pages: int = 0
     disk_dir: str | None = None
+    disk_max_bytes: int | None = None
 
     def __post_init__(self):
         if self.replay not in REPLAY_MODES:
             raise ValueError(f"prefix_cache.replay must be one of {REPLAY_MODES}, got {self.replay!r}")
         if not isinstance(self.host_pages, int) or self.host_pages < 0:
             raise ValueError(f"prefix_cache.host_pages must be a non-negative int, got {self.host_pages!r}")
+        if self.disk_max_bytes is not None and (isinstance(self.disk_max_bytes, bool)
+                                                or not isinstance(self.disk_max_bytes, int) or self.disk_max_bytes < 1):
+            raise ValueError(f"prefix_cache.disk_max_bytes must be a positive int or None, got {self.disk_max_bytes!r}")
         bad = [(name, s) for name, s in self.ttl_seconds if not s >= 0]
         if bad:
             raise ValueError(f"prefix_cache.ttl_seconds: {bad[0][0]!r} has a negative or NaN TTL ({bad[0][1]})")

@@ -326,6 +326,65 @@ def test_disk_tier_detects_a_corrupt_file_as_a_miss(tmp_path):
     assert disk.get(b"k" * 16, now=1000.0) is None and not (tmp_path / path).exists()
 
 
+def test_disk_tier_keeps_at_most_its_limit_deleting_the_least_recently_used(tmp_path):
+    """A disk tier of about 2.5 pages: a third page deletes the oldest, a hit makes a page the most
+    recently used (so the next write deletes the other one), and a restarted store learns the
+    files' order from their modification times (a hit touches its file), deletes a write cut
+    short and keeps to a smaller limit."""
+    import os
+
+    from deepinfer.serve.engine.page_store import DiskPageStore
+
+    rows = [np.arange(4096, dtype=np.uint8).reshape(64, 64)]
+    key = {i: bytes([i]) * 16 for i in range(5)}
+    probe = DiskPageStore(tmp_path / "probe")
+    probe.put(key[0], rows, deadline=2000.0)
+    size = probe.bytes  # one page file
+    assert size == os.path.getsize(probe.path(key[0])) > 4096
+
+    disk = DiskPageStore(tmp_path / "tier", max_bytes=size * 5 // 2)
+    for i in range(3):
+        disk.put(key[i], rows, deadline=2000.0)
+    assert disk.get(key[0], now=1000.0) is None and disk.evictions == 1  # the oldest went
+    assert disk.bytes == 2 * size and len(os.listdir(tmp_path / "tier")) == 2
+    assert disk.get(key[1], now=1000.0) is not None  # key 1 is now the most recently used
+    disk.put(key[3], rows, deadline=2000.0)
+    assert disk.get(key[2], now=1000.0) is None and disk.get(key[1], now=1000.0) is not None
+
+    # a restart: key 1's file was touched (its hit) after key 3's was written
+    (tmp_path / "tier" / "cut.page.tmp").write_bytes(b"partial")
+    again = DiskPageStore(tmp_path / "tier", max_bytes=size)
+    assert not (tmp_path / "tier" / "cut.page.tmp").exists()
+    assert again.bytes == size and again.evictions == 1
+    assert again.get(key[3], now=1000.0) is None and again.get(key[1], now=1000.0) is not None
+    unbounded = DiskPageStore(tmp_path / "tier")
+    unbounded.put(key[4], rows, deadline=2000.0)
+    assert unbounded.bytes == 2 * size and unbounded.evictions == 0
+
+
+def test_disk_tier_limit_is_checked_where_it_is_given(tmp_path):
+    with pytest.raises(ValueError, match="disk_max_bytes"):
+        PrefixCacheConfig(disk_dir=str(tmp_path), disk_max_bytes=0)
+    from deepinfer.serve.api.llm import _gib_to_bytes
+
+    assert _gib_to_bytes(None) is None and _gib_to_bytes(0.5) == 2**29
+    with pytest.raises(ValueError, match="^prefix_cache_disk_gb"):
+        _gib_to_bytes(-1.0)
+    from deepinfer.serve.cli import build_parser
+    from deepinfer.serve.engine_args import CliError, engine_settings
+
+    def settings(*extra):
+        return engine_settings(build_parser().parse_args(["generate", "--prompt", "x", "--no-compilation-cache",
+                                                          *extra]))
+
+    assert settings("--enable-prefix-caching", "--prefix-cache-dir", str(tmp_path),
+                    "--prefix-cache-disk-gb", "2")["prefix_cache_disk_gb"] == 2.0
+    with pytest.raises(CliError, match="--prefix-cache-disk-gb needs --prefix-cache-dir"):
+        settings("--enable-prefix-caching", "--prefix-cache-disk-gb", "2")
+    with pytest.raises(CliError, match="--prefix-cache-disk-gb must be a positive number"):
+        settings("--enable-prefix-caching", "--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk-gb", "0")
+
+
 def test_evicted_pages_come_back_from_the_host_and_disk_tiers_byte_for_byte(model, tmp_path):
     # 16 pages: prompt A's 12 full pages are cached (and written to disk), prompt B (13 pages)
     # evicts 9 of them to the host tier, then A + 200 tokens hits 3 on the device and 9 in the
