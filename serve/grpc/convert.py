@@ -35,6 +35,7 @@ __all__ = [
     "check_request_id",
     "chunk_message",
     "complete_message",
+    "input_logprobs_message",
     "logprobs_message",
     "max_token_bytes",
     "prompt_from_input",
@@ -176,6 +177,13 @@ def sampling_params_from_proto(sp: pb.SamplingParams, request: pb.GenerateReques
                                   f"token id {tid} is outside the vocabulary [0, {vocab_size})")
         bias[tid] = _f32(value)
     logprobs = _logprobs_setting(sp, request)
+    prompt_logprobs = None
+    if request is not None:
+        if request.logprob_start_len < -1:
+            raise InvalidArgument("logprob_start_len", f"must be -1 (no prompt logprobs) or a prompt position, "
+                                                       f"got {request.logprob_start_len}")
+        if request.return_logprob and request.logprob_start_len >= 0:  # SGLang: the prompt's too
+            prompt_logprobs = request.top_logprobs_num
     kwargs: dict[str, Any] = dict(
         n=sp.n or 1,
         temperature=_f32(sp.temperature) if sp.HasField("temperature") else 1.0,
@@ -196,6 +204,7 @@ def sampling_params_from_proto(sp: pb.SamplingParams, request: pb.GenerateReques
         include_stop_str_in_output=sp.no_stop_trim,
         seed=sp.seed if sp.HasField("seed") else None,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         detokenize=sp.detokenize if sp.HasField("detokenize") else True,
         logit_bias=bias or None,
         structured_outputs=constraint,
@@ -377,6 +386,25 @@ def logprobs_message(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[
     return msg
 
 
+def input_logprobs_message(entries: Sequence[dict[int, Logprob] | None], token_ids: Sequence[int],
+                           n_top: int) -> pb.InputLogProbs:
+    """`InputLogProbs` for prompt tokens: each entry maps the prompt token and the top
+    alternatives to their `Logprob`; None (the first prompt token) leaves the value unset."""
+    msg = pb.InputLogProbs()
+    for token, entry in zip(token_ids, entries):
+        value = pb.InputTokenLogProb()
+        top = []
+        if entry is not None:
+            value.value = float(entry[int(token)].logprob)
+            top = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items()
+                          if lp.rank is not None and lp.rank <= n_top))
+        msg.token_logprobs.append(value)
+        msg.token_ids.append(int(token))
+        msg.top_logprobs.append(pb.TopLogProbs(values=[float(v) for _, _, v in top],
+                                               token_ids=[int(t) for _, t, _ in top]))
+    return msg
+
+
 def chunk_message(request_id: str, token_ids: Sequence[int], text: str, *, prompt_tokens: int,
                   completion_tokens: int, logprobs: Sequence[dict[int, Logprob]] | None,
                   n_top: int | None, index: int = 0) -> pb.GenerateResponse:
@@ -412,8 +440,11 @@ def chat_output(tokenizer, chat: Any, output: RequestOutput, index: int = 0) -> 
 
 
 def complete_message(output: RequestOutput, *, eos_token_id: int, n_top: int | None, tokenizer=None,
-                     chat: Any = None, index: int = 0) -> pb.GenerateResponse:
-    """The final `GenerateComplete` of sample `index` of a finished request (one per sample)."""
+                     chat: Any = None, index: int = 0, input_start: int | None = None,
+                     input_top: int = 0) -> pb.GenerateResponse:
+    """The final `GenerateComplete` of sample `index` of a finished request (one per sample);
+    with `input_start`, the prompt's logprobs from that position on, `input_top` alternatives
+    each (`input_logprobs`)."""
     completion = output.outputs[index]
     ids = [int(t) for t in completion.token_ids]
     msg = pb.GenerateComplete(
@@ -434,6 +465,10 @@ def complete_message(output: RequestOutput, *, eos_token_id: int, n_top: int | N
         msg.matched_token_id = eos_token_id
     if completion.logprobs is not None and n_top is not None:
         msg.output_logprobs.CopyFrom(logprobs_message(completion.logprobs, ids, n_top))
+    if input_start is not None and output.prompt_logprobs is not None:
+        prompt = [int(t) for t in output.prompt_token_ids]
+        msg.input_logprobs.CopyFrom(input_logprobs_message(output.prompt_logprobs[input_start:],
+                                                           prompt[input_start:], input_top))
     if chat is not None and tokenizer is not None:
         msg.chat.CopyFrom(chat_output(tokenizer, chat, output, index))
     return pb.GenerateResponse(request_id=output.request_id, complete=msg)

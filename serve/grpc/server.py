@@ -454,6 +454,12 @@ class GrpcServer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         kind = request.WhichOneof("input")
         prompt = await self._prepare_prompt(kind, getattr(request, kind) if kind else None, context)
+        input_start = request.logprob_start_len if params.prompt_logprobs is not None else None
+        if input_start is not None and input_start >= len(prompt.token_ids):
+            self.metrics.rejected()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"logprob_start_len: must be less than the prompt's {len(prompt.token_ids)} tokens "
+                                f"(or -1), got {input_start}")
         if prompt.chat is not None and params.structured_outputs is None and prompt.chat.output_constraint:
             # the answer follows the tools (DeepSeek's tool-call block) or the response format
             from deepinfer.serve.structured.tool_calls import chat_constraint
@@ -497,7 +503,8 @@ class GrpcServer:
                             for index, ids, text, lps in rest if stream.want_stream and (ids or text)]
                         responses += [convert.complete_message(output, eos_token_id=engine.config.eos_token_id,
                                                                n_top=stream.n_top, tokenizer=engine.tokenizer,
-                                                               chat=prompt.chat, index=index)
+                                                               chat=prompt.chat, index=index, input_start=input_start,
+                                                               input_top=params.prompt_logprobs or 0)
                                       for index in range(len(output.outputs))]
                     except Exception as e:  # noqa: BLE001 - reported in-band
                         log.exception("building the completion of %s failed", rid)

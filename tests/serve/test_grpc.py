@@ -94,7 +94,8 @@ def test_streaming_generate_equals_the_engine(server, stub, reference, model):
     config, _, tokenizer = model
     ids = prompt_ids(20, 1)
     req = request(ids, temperature=0.75, top_k=50, seed=7, max_new_tokens=12, ignore_eos=True)
-    req.return_logprob, req.top_logprobs_num = True, 2
+    # the generated tokens' logprobs only (SGLang's router sends -1 too: 0 would add the prompt's)
+    req.return_logprob, req.top_logprobs_num, req.logprob_start_len = True, 2, -1
     chunks, complete, error = collect(stub, req)
     assert error is None and complete is not None
     ref = reference(ids, SamplingParams(temperature=0.75, top_k=50, seed=7, max_tokens=12, ignore_eos=True,
@@ -338,6 +339,36 @@ def test_an_engine_that_keeps_failing_goes_not_serving(model):
 # ---- malformed requests -------------------------------------------------------------------------
 
 
+def test_input_logprobs_are_the_engines_prompt_logprobs(server, stub, reference):
+    """SGLang's input logprobs: with return_logprob and logprob_start_len 0 (the proto default),
+    every prompt token's logprob (none for the first) and top alternatives, those of the engine's
+    `prompt_logprobs`; from a later position, the same values from there; -1: none."""
+    ids = prompt_ids(40, 3)
+    ref = reference(ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2,
+                                        prompt_logprobs=2))
+    req = request(ids, temperature=0.0, max_new_tokens=4, ignore_eos=True, stream=False)
+    req.return_logprob, req.top_logprobs_num = True, 2
+    _, complete, error = collect(stub, req)
+    assert error is None and list(complete.output_ids) == ref.outputs[0].token_ids
+    got = complete.input_logprobs
+    assert list(got.token_ids) == ids and len(got.token_logprobs) == len(got.top_logprobs) == 40
+    assert not got.token_logprobs[0].HasField("value") and not got.top_logprobs[0].values
+    for p in range(1, 40):
+        entry = ref.prompt_logprobs[p]
+        assert got.token_logprobs[p].value == np.float32(entry[ids[p]].logprob), p
+        best = sorted((lp.rank, t, lp.logprob) for t, lp in entry.items() if lp.rank <= 2)
+        assert list(got.top_logprobs[p].token_ids) == [t for _, t, _ in best], p
+        assert list(got.top_logprobs[p].values) == [np.float32(v) for *_, v in best], p
+
+    req.logprob_start_len = 25
+    _, later, _ = collect(stub, req)
+    assert list(later.input_logprobs.token_ids) == ids[25:]
+    assert [v.value for v in later.input_logprobs.token_logprobs] == [v.value for v in got.token_logprobs[25:]]
+    req.logprob_start_len = -1
+    _, none, _ = collect(stub, req)
+    assert not none.HasField("input_logprobs") and len(none.output_logprobs.token_ids) == 4
+
+
 def _bad_cases(vocab: int):
     """(label, mutate(request), field named in the INVALID_ARGUMENT details)."""
     def sp(**kw):
@@ -367,6 +398,11 @@ def _bad_cases(vocab: int):
     def top(n):
         def mutate(req):
             req.return_logprob, req.top_logprobs_num = True, n
+        return mutate
+
+    def start(value):
+        def mutate(req):
+            req.return_logprob, req.logprob_start_len = True, value
         return mutate
 
     def tools(value):
@@ -405,6 +441,8 @@ def _bad_cases(vocab: int):
         ("stream_interval 0", sp(stream_interval=0), "sampling_params.stream_interval"),
         ("unknown cache TTL class", sp(cache_ttl_class="weekly"), "sampling_params.cache_ttl_class"),
         ("too many logprobs", top(50), "top_logprobs_num"),
+        ("logprob_start_len -2", start(-2), "logprob_start_len"),
+        ("logprob_start_len at the prompt's end", start(8), "logprob_start_len"),
         ("no input", set_input("none", None), "input"),
         ("empty token ids", set_input("tokenized", []), "tokenized.input_ids"),
         ("id outside vocab", set_input("tokenized", [0, vocab]), "tokenized.input_ids"),
