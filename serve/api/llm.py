@@ -186,7 +186,8 @@ class LLM:
             choose how long their pages stay cached with `SamplingParams.cache_ttl_class`.
         prefix_cache_host_pages, prefix_cache_dir: the tiers below the device: pages evicted from
             the device are kept in host memory (at most this many) and, with a directory, in
-            checksummed files there that outlive the process (one device only).
+            checksummed files there that outlive the process (one device, or a mesh
+            of this process's devices).
         prefix_cache_disk_gb: the most GiB of page files the directory keeps (least recently
             used deleted first); None: no limit.
         log_stats_interval: seconds between the periodic stats log lines (None: never).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
@@ -239,7 +240,10 @@ class CacheManager:
         """A free slot for a sequence whose first `length` tokens must fit: on the best rank, or
         on the hit's, holding its pages, then `restore`'s pages written back from the host or
         disk tier. The sequence's own full pages get `ttl` when published."""
-        rank = (0 if restore else self._best_rank(length)) if hit is None else hit.rank
+        if hit is None:  # (restored pages come from the host: any rank takes them)
+            rank = self._best_rank(max(length, len(restore) * self.layout.page_size))
+        else:
+            rank = hit.rank
         if rank is None or not self._free_slots[rank]:
             raise MemoryError("no free cache slot")
         slot = self._free_slots[rank].pop()
@@ -265,23 +269,25 @@ class CacheManager:
         self.store = HostPageStore(self.prefix.host_pages, self.prefix.clock, disk)
         self._page_io = page_io
         if self.prefix.host_pages:
-            self.pages.ranks[0].offload = self._offload
+            for rank, allocator in enumerate(self.pages.ranks):
+                allocator.offload = partial(self._offload, rank)
 
     def flush_disk(self, block: bool = False) -> None:
         """Write the published pages whose bytes reached the host to the disk tier (all, blocking)."""
         if self.store is not None and self.store.disk is not None:
             self.store.disk.flush(block)
 
-    def _offload(self, evicted: list[tuple[int, bytes, float]]) -> None:
-        batch = self._page_io.read_pages([page for page, _, _ in evicted])
+    def _offload(self, rank: int, evicted: list[tuple[int, bytes, float]]) -> None:
+        batch = self._page_io.read_pages([page for page, _, _ in evicted], rank)
         for i, (_, key, deadline) in enumerate(evicted):
             self.store.put(key, batch, i, deadline)
 
     def _restore(self, slot: int, restore: list[tuple[bytes, Rows, str]], ttl: float) -> None:
         """Pages of the host or disk tier become the slot's next pages, published again."""
-        allocator = self.pages.ranks[self.rank_of(slot)]
+        rank = self.rank_of(slot)
+        allocator = self.pages.ranks[rank]
         pages = allocator.alloc(len(restore))
-        self._page_io.write_pages(pages, [rows for _, rows, _ in restore])
+        self._page_io.write_pages(pages, [rows for _, rows, _ in restore], rank)
         done = len(self._owned[slot])
         for depth, (page, (key, _, _)) in enumerate(zip(pages, restore), start=done):
             allocator.index.publish(page, key, depth, ttl)
@@ -303,7 +309,8 @@ class CacheManager:
                 best = PrefixHit(rank, pages, keys[len(pages) - 1])
         n = 0 if best is None else len(best.pages)
         restore = []
-        if self.store is not None and self._free_slots[0]:
+        # (the restored pages follow a device hit on its rank, else go to any rank with a slot)
+        if self.store is not None and (best is not None or self.free_slots):
             for key in keys[n:]:
                 found = self.store.get(key)
                 if found is None:
@@ -348,7 +355,7 @@ class CacheManager:
                                                                      start=done)
                      if index.publish(page, key, depth, self._ttl[slot])]
         if published and self.store is not None and self.store.disk is not None:
-            batch = self._page_io.read_pages([page for page, _ in published])
+            batch = self._page_io.read_pages([page for page, _ in published], self.rank_of(slot))
             deadline = self.prefix.clock() + self._ttl[slot]
             for i, (_, key) in enumerate(published):
                 self.store.disk.queue(key, batch, i, deadline)

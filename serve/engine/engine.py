@@ -117,8 +117,10 @@ class LLMEngine:
             # sources would depend on where the floor was, not on the tokens alone
             raise ValueError(f"prefix_cache: exact replay with compact prefill needs every Engram layer before the "
                              f"first decoder layer ({config.decoder_start}); engram_layer_ids has {late_engram}")
-        if prefix is not None and (prefix.host_pages or prefix.disk_dir) and mesh is not None:
-            raise ValueError("prefix_cache: the host and disk tiers run on one device for now (no mesh)")
+        if (prefix is not None and (prefix.host_pages or prefix.disk_dir) and mesh is not None
+                and len({d.process_index for d in mesh.devices.flat}) > 1):
+            raise ValueError("prefix_cache: the host and disk tiers need a mesh of one process's devices (they "
+                             "copy pages through this process's host memory)")
         weights = params_fingerprint(params) if prefix is not None and prefix.disk_dir else b""
         self.cache = CacheManager(config, layout, prefix, weights)
         self.runner = ModelRunner(params, config, layout, engine_config.kernels, mesh=mesh,

@@ -50,7 +50,8 @@ class PrefixCacheConfig:
     clock: Callable[[], float] = field(default=time.time, compare=False)
     # tiers below the device (`page_store.py`): pages evicted from the device go to host memory
     # (at most `host_pages` of them) and, with `disk_dir`, to files there (at most `disk_max_bytes`
-    # of them, least recently used deleted first; None: no limit); one device only
+    # of them, least recently used deleted first; None: no limit); on one device or
+    # a mesh of one process's devices (each dp rank evicts its own pages; any rank restores them)
     host_pages: int = 0
     disk_dir: str | None = None
     disk_max_bytes: int | None = None

@@ -173,11 +173,13 @@ def _gather_pages(cache: KVCache, pages: jax.Array) -> list[jax.Array]:
     return [a[pages] for a in jax.tree.leaves((cache.entries, cache.index_keys))]
 
 
-@partial(jax.jit, donate_argnums=0)
-def _scatter_pages(cache: KVCache, pages: jax.Array, rows: list[jax.Array]) -> KVCache:
+def _scatter_pages_body(cache: KVCache, pages: jax.Array, rows: list[jax.Array]) -> KVCache:
     pools, tree = jax.tree.flatten((cache.entries, cache.index_keys))
     entries, keys = jax.tree.unflatten(tree, [a.at[pages].set(r, mode="drop") for a, r in zip(pools, rows)])
     return dataclasses.replace(cache, entries=entries, index_keys=keys)
+
+
+_scatter_pages = jax.jit(_scatter_pages_body, donate_argnums=0)
 
 
 def _page_bucket(n: int) -> int:
@@ -256,6 +258,7 @@ class ModelRunner:
         self.min_page_tokens = min_page_tokens  # the narrowest page table covers this many tokens
         self.kernels = kernels
         self.mesh_step = None
+        self._scatter_on_mesh = None  # `write_pages` on a mesh (made at first use)
         if layout.draft_rings and not has_drafter(params, config):
             raise ValueError("the cache layout keeps drafter rings (draft_rings > 0) but the params have no DSpark "
                              "drafter (`mtp.*` of a DeepSeek-V4.1 checkpoint)")
@@ -696,25 +699,37 @@ class ModelRunner:
             layers[layer] = {**layers[layer], "ffn": new}
         self.params = {**self.params, "layers": layers}
 
-    def read_pages(self, pages: list[int]) -> EvictedPages:
-        """The bytes of global `pages` (every source's entries and indexer keys), copied to the
-        host asynchronously: row i of each array is page i (the prefix cache's host tier)."""
+    def read_pages(self, pages: list[int], rank: int = 0) -> EvictedPages:
+        """The bytes of dp rank `rank`'s `pages` (every source's entries and indexer keys), copied
+        to the host asynchronously: row i of each array is page i (the prefix cache's host tier)."""
         index = np.zeros(_page_bucket(len(pages)), np.int32)
-        index[:len(pages)] = pages
+        index[:len(pages)] = self._global_pages(pages, rank)
         return EvictedPages(_gather_pages(self.cache, jnp.asarray(index)))
 
-    def write_pages(self, pages: list[int], rows: list[list[np.ndarray]]) -> None:
+    def write_pages(self, pages: list[int], rows: list[list[np.ndarray]], rank: int = 0) -> None:
         """Write pages read back from the host tier (`rows[i]`: page i's arrays, as `read_pages`
-        gave them) before any later step reads them."""
+        gave them) into dp rank `rank`'s `pages`, before any later step reads them. On a mesh the
+        cache keeps its shardings (the mesh step's programs are compiled for them)."""
         n = _page_bucket(len(pages))
         index = np.full(n, self.layout.num_pages, np.int32)  # padding: dropped
-        index[:len(pages)] = pages
+        index[:len(pages)] = self._global_pages(pages, rank)
         stacked = []
         for j, like in enumerate(jax.tree.leaves((self.cache.entries, self.cache.index_keys))):
             block = np.zeros((n, *like.shape[1:]), like.dtype)
             block[:len(pages)] = [r[j] for r in rows]
             stacked.append(block)
-        self.cache = _scatter_pages(self.cache, jnp.asarray(index), stacked)
+        if self.mesh_step is None:
+            self.cache = _scatter_pages(self.cache, jnp.asarray(index), stacked)
+            return
+        if self._scatter_on_mesh is None:
+            shardings = jax.tree.map(lambda a: a.sharding, self.cache)
+            self._scatter_on_mesh = jax.jit(_scatter_pages_body, donate_argnums=0, out_shardings=shardings)
+        self.cache = self._scatter_on_mesh(self.cache, self.mesh_step.replicate(index),
+                                           self.mesh_step.replicate(stacked))
+
+    def _global_pages(self, pages: list[int], rank: int) -> np.ndarray:
+        """Rank-local page ids as indices into the cache's (rank-major) page pools."""
+        return np.asarray(pages, np.int32) + rank * (self.layout.num_pages // self.layout.dp)
 
     def runner_cache_entries(self) -> list[np.ndarray]:
         """Host copies of every source's compressed entries (first codec array), for tests."""

@@ -183,7 +183,8 @@ class Scheduler:
                 # no hit, or one no longer than the replay: recomputing is cheaper
                 hit, restore, cached = None, [], 0
             first = start + min(request.length - start, self.prefill_chunk)
-            if not (self.cache.can_allocate(first) if hit is None else self.cache.can_admit(first, hit)):
+            held = max(first, cached * size)  # (pages restored from the host tier are held from the start)
+            if not (self.cache.can_allocate(held) if hit is None else self.cache.can_admit(held, hit)):
                 break
             del self.waiting[i]
             ttl = 0.0 if lookup is None else self.cache.prefix.ttl(

@@ -385,6 +385,60 @@ def test_disk_tier_limit_is_checked_where_it_is_given(tmp_path):
         settings("--enable-prefix-caching", "--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk-gb", "0")
 
 
+def test_host_and_disk_tiers_on_a_mesh(model, tmp_path):
+    """dp=2: the one-device scenario below on a mesh (prompt A's pages evicted to the host tier by
+    prompt B on the same rank come back byte for byte, then from the disk tier in a restarted
+    engine), and the page copies address each rank's share of the pools (rank 1's pages sit after
+    rank 0's) without changing the cache's shardings."""
+    import jax
+
+    from deepinfer.sharding import make_mesh
+
+    mesh = make_mesh("dp=2", devices=jax.devices()[:2])
+    budget = CacheBudget(num_slots=2, max_model_len=2560, page_size=PAGE, num_pages=32)  # 16 pages per rank
+
+    def hit_bytes(engine, ids):  # the pools' rows of the pages a lookup of `ids` hits (rank-major)
+        hit = engine.cache.find_prefix(ids).hit
+        return pool_bytes(engine, [p + hit.rank * 16 for p in hit.pages])
+
+    def engine(**tiers):
+        config, params, tokenizer = model
+        prefix = PrefixCacheConfig(replay="bounded", **tiers)
+        return LLMEngine(params, config, tokenizer, EngineConfig(budget=budget, prefix_cache=prefix), mesh=mesh)
+
+    a, b = tokens(1536, 50), tokens(1536, 51)
+    first = engine(host_pages=32, disk_dir=str(tmp_path))
+    generate(first, {"a": a})
+    # (A goes to rank 0, the tie rule of an empty mesh; so does B: idle cached pages count as free)
+    assert first.cache.find_prefix(a[:1536]).hit.rank == 0
+    saved = hit_bytes(first, a[:1536])
+    generate(first, {"b": b})
+    lookup = first.cache.find_prefix(a)
+    assert len(lookup.hit.pages) == 3 and [tier for _, _, tier in lookup.restore] == ["host"] * 9
+    out, computed = generate(first, {"a2": np.concatenate([a, tokens(200, 52)])})
+    assert out["a2"].num_cached_tokens == 1536 and computed == 200 + 128
+    for x, y in zip(saved, hit_bytes(first, a)):
+        np.testing.assert_array_equal(x, y)
+    assert first.counters()["deepinfer:prefix_cache_hits_by_tier"] == {"device": 384, "host": 1152, "disk": 0}
+
+    # rank 1's local page 2 is global page 16 + 2; a write there keeps every pool's sharding
+    runner = first.runner
+    shardings = [a.sharding for a in jax.tree.leaves(runner.cache)]
+    rows = runner.read_pages([3], rank=0).rows(0)
+    runner.write_pages([2], [rows], rank=1)
+    assert [a.sharding for a in jax.tree.leaves(runner.cache)] == shardings
+    for x, y in zip(pool_bytes(first, [3]), pool_bytes(first, [18])):
+        np.testing.assert_array_equal(x, y)
+    assert all(np.array_equal(x, y) for x, y in zip(runner.read_pages([2], rank=1).rows(0), rows))
+
+    second = engine(disk_dir=str(tmp_path))  # a restart finds A's pages on disk
+    out, computed = generate(second, {"a3": np.concatenate([a, tokens(200, 53)])})
+    assert out["a3"].num_cached_tokens == 1536 and computed == 200 + 128
+    assert second.counters()["deepinfer:prefix_cache_hits_by_tier"]["disk"] == 1536
+    for x, y in zip(saved, hit_bytes(second, a)):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_evicted_pages_come_back_from_the_host_and_disk_tiers_byte_for_byte(model, tmp_path):
     # 16 pages: prompt A's 12 full pages are cached (and written to disk), prompt B (13 pages)
     # evicts 9 of them to the host tier, then A + 200 tokens hits 3 on the device and 9 in the
