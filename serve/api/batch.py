@@ -86,6 +86,14 @@ class BatchSummary:
 # ---- response bodies -------------------------------------------------------------------------------
 
 
+def _top(llm: LLM, entry: dict, k: int | None) -> list[tuple[str, float]]:
+    """(text, logprob) of a position's `k` most likely tokens, best first."""
+    ranked = sorted(((lp.rank or 0, tid, lp) for tid, lp in entry.items() if (lp.rank or 0) >= 1),
+                    key=lambda x: x[0])
+    return [(lp.decoded_token if lp.decoded_token is not None else llm.tokenizer.decode([tid]), lp.logprob)
+            for _, tid, lp in ranked[: (k or 0)]]
+
+
 def _chat_logprobs(llm: LLM, completion: CompletionOutput, k: int | None) -> dict | None:
     if completion.logprobs is None:
         return None
@@ -93,12 +101,8 @@ def _chat_logprobs(llm: LLM, completion: CompletionOutput, k: int | None) -> dic
     for token_id, entry in zip(completion.token_ids, completion.logprobs):
         chosen = entry[token_id]
         text = chosen.decoded_token if chosen.decoded_token is not None else llm.tokenizer.decode([token_id])
-        ranked = sorted(((lp.rank or 0, tid, lp) for tid, lp in entry.items() if (lp.rank or 0) >= 1),
-                        key=lambda x: x[0])
-        top = []
-        for _, tid, lp in ranked[: (k or 0)]:
-            tok = lp.decoded_token if lp.decoded_token is not None else llm.tokenizer.decode([tid])
-            top.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8"))})
+        top = [{"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
+               for tok, logprob in _top(llm, entry, k)]
         content.append({"token": text, "logprob": chosen.logprob, "bytes": list(text.encode("utf-8")),
                         "top_logprobs": top})
     return {"content": content}
@@ -119,15 +123,7 @@ def _completion_logprobs(llm: LLM, token_ids: list[int], entries: list, k: int |
         token_logprobs.append(None if chosen is None else chosen.logprob)
         offsets.append(offset)
         offset += len(llm.tokenizer.decode([token_id]) if i < echoed else text)
-        if entry is None:
-            top_logprobs.append(None)
-            continue
-        ranked = sorted(((lp.rank or 0, tid, lp) for tid, lp in entry.items() if (lp.rank or 0) >= 1),
-                        key=lambda x: x[0])
-        top = {}
-        for _, tid, lp in ranked[: (k or 0)]:
-            top[lp.decoded_token if lp.decoded_token is not None else llm.tokenizer.decode([tid])] = lp.logprob
-        top_logprobs.append(top)
+        top_logprobs.append(None if entry is None else dict(_top(llm, entry, k)))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 

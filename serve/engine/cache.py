@@ -261,7 +261,7 @@ class CacheManager:
     # -- prefix cache --
     def connect(self, page_io) -> None:
         """Keep evicted pages in the host (and disk) tier of the prefix config, read and written
-        through `page_io` (`ModelRunner.read_pages` / `write_pages`)."""
+        through `page_io` (`page_io.PageIO`)."""
         if self.prefix is None or not (self.prefix.host_pages or self.prefix.disk_dir):
             return
         disk = None if self.prefix.disk_dir is None else DiskPageStore(self.prefix.disk_dir,

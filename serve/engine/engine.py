@@ -60,6 +60,7 @@ from deepinfer.serve.engine.types import MAX_LOGPROBS, RequestOutput, SamplingPa
 from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.cache import AdmissionError, CacheManager, make_layout
 from deepinfer.serve.engine.engine_config import PREFILL_MODES, EngineConfig
+from deepinfer.serve.engine.page_io import PageIO
 from deepinfer.serve.engine.expert_balance import ExpertBalancer
 from deepinfer.serve.engine.page_store import params_fingerprint
 from deepinfer.serve.engine.parallel_sampling import SampleGroup, SampleGroups, child_ids
@@ -128,7 +129,7 @@ class LLMEngine:
                                   max_logit_bias=engine_config.max_logit_bias,
                                   max_bans=engine_config.max_stop_token_ids + 1,
                                   min_page_tokens=engine_config.min_page_bucket_tokens)
-        self.cache.connect(self.runner)
+        self.cache.connect(PageIO(self.runner))
         self.balancer = None
         if engine_config.eplb_interval is not None:
             self.balancer = ExpertBalancer.for_mesh(config.num_hidden_layers, config.n_routed_experts,

@@ -1,12 +1,12 @@
 """The prefix cache's tiers below the device: host memory and, optionally, a directory on disk.
 
 A published page that the device must give up for another sequence is not lost: its bytes (every
-KV source's entries and indexer keys of that page, `ModelRunner.read_pages`) go to the host tier
+KV source's entries and indexer keys of that page, `PageIO.read_pages`) go to the host tier
 under the page's chain hash, with the time it may still live. The copy is asynchronous: the host
 tier keeps the device's gather, whose transfer has started, and turns it into numpy arrays only
 when a page is read back or moved on. A hit that continues past the device's pages into the host
 tier (or the disk tier) gets device pages again, written from those bytes before the step that
-reads them (`ModelRunner.write_pages`, in device order).
+reads them (`PageIO.write_pages`, in device order).
 
 The disk tier (`directory`, for restarts) receives every page when it is published, one file per
 page named by its key: a SHA-256 of the payload, then the payload (the rows and the deadline the

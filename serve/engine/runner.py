@@ -13,7 +13,6 @@ rows). The jitted steps are the engine configuration's (`programs.py`), held by 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -28,12 +27,11 @@ from deepinfer.model.config import ModelConfig
 from deepinfer.model.drafter import draft_from_cache, has_drafter
 from deepinfer.model.engram_hash import hasher_for
 from deepinfer.model.forward import engram_hash_ids
-from deepinfer.model.kv_cache import CacheLayout, KVCache, init_cache, padded_slot_ids, reset_slots
+from deepinfer.model.kv_cache import CacheLayout, init_cache, padded_slot_ids, reset_slots
 from deepinfer.model.step import StepBatch
 from deepinfer.pallas_kernels.registry import KernelConfig
 from deepinfer.serve.engine import sampling_state
 from deepinfer.serve.engine.device_step import model_rows, sampler_rows
-from deepinfer.serve.engine.page_store import EvictedPages
 from deepinfer.serve.engine.placeholders import PLACEHOLDER
 from deepinfer.serve.engine.programs import engine_step, forward_step, step_programs
 from deepinfer.serve.engine.sampler import SampleOutput, SampleRows, Sampler, prompt_logprobs
@@ -168,24 +166,6 @@ def token_bucket(n: int, minimum: int = 128) -> int:
 _reset_slots = jax.jit(reset_slots, donate_argnums=0)
 
 
-@jax.jit
-def _gather_pages(cache: KVCache, pages: jax.Array) -> list[jax.Array]:
-    return [a[pages] for a in jax.tree.leaves((cache.entries, cache.index_keys))]
-
-
-def _scatter_pages_body(cache: KVCache, pages: jax.Array, rows: list[jax.Array]) -> KVCache:
-    pools, tree = jax.tree.flatten((cache.entries, cache.index_keys))
-    entries, keys = jax.tree.unflatten(tree, [a.at[pages].set(r, mode="drop") for a, r in zip(pools, rows)])
-    return dataclasses.replace(cache, entries=entries, index_keys=keys)
-
-
-_scatter_pages = jax.jit(_scatter_pages_body, donate_argnums=0)
-
-
-def _page_bucket(n: int) -> int:
-    return max(8, 1 << (n - 1).bit_length())
-
-
 def row_bucket(n: int, slots_per_rank: int) -> int:
     """Rows per dp rank of a prefill step of `n` chunks on a rank: the next power of two, at most
     the rank's slots (a padding row needs a slot no real row uses)."""
@@ -258,7 +238,6 @@ class ModelRunner:
         self.min_page_tokens = min_page_tokens  # the narrowest page table covers this many tokens
         self.kernels = kernels
         self.mesh_step = None
-        self._scatter_on_mesh = None  # `write_pages` on a mesh (made at first use)
         if layout.draft_rings and not has_drafter(params, config):
             raise ValueError("the cache layout keeps drafter rings (draft_rings > 0) but the params have no DSpark "
                              "drafter (`mtp.*` of a DeepSeek-V4.1 checkpoint)")
@@ -698,38 +677,6 @@ class ModelRunner:
                 new = self.mesh_step.place_params({"layers": [{"ffn": new}]})["layers"][0]["ffn"]
             layers[layer] = {**layers[layer], "ffn": new}
         self.params = {**self.params, "layers": layers}
-
-    def read_pages(self, pages: list[int], rank: int = 0) -> EvictedPages:
-        """The bytes of dp rank `rank`'s `pages` (every source's entries and indexer keys), copied
-        to the host asynchronously: row i of each array is page i (the prefix cache's host tier)."""
-        index = np.zeros(_page_bucket(len(pages)), np.int32)
-        index[:len(pages)] = self._global_pages(pages, rank)
-        return EvictedPages(_gather_pages(self.cache, jnp.asarray(index)))
-
-    def write_pages(self, pages: list[int], rows: list[list[np.ndarray]], rank: int = 0) -> None:
-        """Write pages read back from the host tier (`rows[i]`: page i's arrays, as `read_pages`
-        gave them) into dp rank `rank`'s `pages`, before any later step reads them. On a mesh the
-        cache keeps its shardings (the mesh step's programs are compiled for them)."""
-        n = _page_bucket(len(pages))
-        index = np.full(n, self.layout.num_pages, np.int32)  # padding: dropped
-        index[:len(pages)] = self._global_pages(pages, rank)
-        stacked = []
-        for j, like in enumerate(jax.tree.leaves((self.cache.entries, self.cache.index_keys))):
-            block = np.zeros((n, *like.shape[1:]), like.dtype)
-            block[:len(pages)] = [r[j] for r in rows]
-            stacked.append(block)
-        if self.mesh_step is None:
-            self.cache = _scatter_pages(self.cache, jnp.asarray(index), stacked)
-            return
-        if self._scatter_on_mesh is None:
-            shardings = jax.tree.map(lambda a: a.sharding, self.cache)
-            self._scatter_on_mesh = jax.jit(_scatter_pages_body, donate_argnums=0, out_shardings=shardings)
-        self.cache = self._scatter_on_mesh(self.cache, self.mesh_step.replicate(index),
-                                           self.mesh_step.replicate(stacked))
-
-    def _global_pages(self, pages: list[int], rank: int) -> np.ndarray:
-        """Rank-local page ids as indices into the cache's (rank-major) page pools."""
-        return np.asarray(pages, np.int32) + rank * (self.layout.num_pages // self.layout.dp)
 
     def runner_cache_entries(self) -> list[np.ndarray]:
         """Host copies of every source's compressed entries (first codec array), for tests."""

@@ -371,6 +371,13 @@ def prompt_from_input(kind: str | None, value: Any, *, field_prefix: str = "", t
 # ---- responses --------------------------------------------------------------------------------
 
 
+def _top_message(entry: dict[int, Logprob] | None, n_top: int) -> pb.TopLogProbs:
+    """The `n_top` most likely tokens of a position's entry, best first (none for None)."""
+    top = sorted((lp.rank, tid, lp.logprob) for tid, lp in (entry or {}).items()
+                 if lp.rank is not None and lp.rank <= n_top)
+    return pb.TopLogProbs(values=[float(v) for _, _, v in top], token_ids=[int(t) for _, t, _ in top])
+
+
 def logprobs_message(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[int], n_top: int) -> pb.OutputLogProbs:
     """`OutputLogProbs` for generated tokens: each entry maps the sampled token and the top
     alternatives to their `Logprob` (ranks from 1)."""
@@ -379,10 +386,7 @@ def logprobs_message(entries: Sequence[dict[int, Logprob]], token_ids: Sequence[
         sampled = entry.get(int(token))
         msg.token_ids.append(int(token))
         msg.token_logprobs.append(float(sampled.logprob) if sampled is not None else float("nan"))
-        top = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items()
-                      if lp.rank is not None and lp.rank <= n_top))
-        msg.top_logprobs.append(pb.TopLogProbs(values=[float(v) for _, _, v in top],
-                                               token_ids=[int(t) for _, t, _ in top]))
+        msg.top_logprobs.append(_top_message(entry, n_top))
     return msg
 
 
@@ -393,15 +397,11 @@ def input_logprobs_message(entries: Sequence[dict[int, Logprob] | None], token_i
     msg = pb.InputLogProbs()
     for token, entry in zip(token_ids, entries):
         value = pb.InputTokenLogProb()
-        top = []
         if entry is not None:
             value.value = float(entry[int(token)].logprob)
-            top = sorted(((lp.rank, tid, lp.logprob) for tid, lp in entry.items()
-                          if lp.rank is not None and lp.rank <= n_top))
         msg.token_logprobs.append(value)
         msg.token_ids.append(int(token))
-        msg.top_logprobs.append(pb.TopLogProbs(values=[float(v) for _, _, v in top],
-                                               token_ids=[int(t) for _, t, _ in top]))
+        msg.top_logprobs.append(_top_message(entry, n_top))
     return msg
 
 

@@ -422,14 +422,14 @@ def test_host_and_disk_tiers_on_a_mesh(model, tmp_path):
     assert first.counters()["deepinfer:prefix_cache_hits_by_tier"] == {"device": 384, "host": 1152, "disk": 0}
 
     # rank 1's local page 2 is global page 16 + 2; a write there keeps every pool's sharding
-    runner = first.runner
+    page_io, runner = first.cache._page_io, first.runner
     shardings = [a.sharding for a in jax.tree.leaves(runner.cache)]
-    rows = runner.read_pages([3], rank=0).rows(0)
-    runner.write_pages([2], [rows], rank=1)
+    rows = page_io.read_pages([3], rank=0).rows(0)
+    page_io.write_pages([2], [rows], rank=1)
     assert [a.sharding for a in jax.tree.leaves(runner.cache)] == shardings
     for x, y in zip(pool_bytes(first, [3]), pool_bytes(first, [18])):
         np.testing.assert_array_equal(x, y)
-    assert all(np.array_equal(x, y) for x, y in zip(runner.read_pages([2], rank=1).rows(0), rows))
+    assert all(np.array_equal(x, y) for x, y in zip(page_io.read_pages([2], rank=1).rows(0), rows))
 
     second = engine(disk_dir=str(tmp_path))  # a restart finds A's pages on disk
     out, computed = generate(second, {"a3": np.concatenate([a, tokens(200, 53)])})
